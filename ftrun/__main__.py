@@ -1,0 +1,5 @@
+"""`python -m ftrun` runs the command line."""
+
+from ftrun.cli import main
+
+main()

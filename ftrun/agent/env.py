@@ -1,0 +1,55 @@
+"""The environment each worker gets: torchrun's variables, then ftrun's own FTRUN_* ones."""
+
+from __future__ import annotations
+
+import os
+
+from ftrun.config import LaunchConfig
+
+
+def worker_env(
+    config: LaunchConfig,
+    *,
+    rank: int,
+    local_rank: int,
+    uid: int,
+    restart_count: int,
+    store_port: int,
+    run_dir: str,
+    spare: bool = False,
+) -> dict[str, str]:
+    """Build one worker's environment exactly as torchrun 2.14 does, plus FTRUN_* variables.
+
+    ``uid`` is the worker's incarnation id, unique within a run; a spare gets the rank it would have if
+    it joined now, and FTRUN_SPARE=1.
+    """
+    env = dict(os.environ)
+    if "OMP_NUM_THREADS" not in env and config.nproc_per_node > 1:
+        env["OMP_NUM_THREADS"] = "1"
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    world = config.world_size
+    env.update(
+        LOCAL_RANK="0" if config.virtual_local_rank else str(local_rank),
+        RANK=str(rank),
+        GROUP_RANK=str(config.node_rank),
+        ROLE_RANK=str(rank),
+        ROLE_NAME=config.role,
+        LOCAL_WORLD_SIZE=str(config.nproc_per_node),
+        WORLD_SIZE=str(world),
+        GROUP_WORLD_SIZE=str(config.min_nodes),
+        ROLE_WORLD_SIZE=str(world),
+        MASTER_ADDR=config.master_addr,
+        MASTER_PORT=str(store_port),
+        TORCHELASTIC_RESTART_COUNT=str(restart_count),
+        TORCHELASTIC_MAX_RESTARTS=str(config.max_restarts),
+        TORCHELASTIC_RUN_ID=config.run_id,
+        TORCHELASTIC_USE_AGENT_STORE="True",
+        TORCHELASTIC_SIGNALS_TO_HANDLE=",".join(s.name for s in config.signals_to_handle),
+        FTRUN_UID=str(uid),
+        FTRUN_RUN_DIR=run_dir,
+        FTRUN_SPARE="1" if spare else "0",
+        FTRUN_RECOVERY="1" if config.recovery.enabled else "0",
+    )
+    if config.virtual_local_rank and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        env["CUDA_VISIBLE_DEVICES"] = str(local_rank)
+    return env

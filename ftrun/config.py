@@ -1,0 +1,314 @@
+"""One launch configuration: every flag and PET_* variable lands here, parsed and validated once."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ftrun.errors import UsageError
+
+STDOUT, STDERR = 1, 2
+
+
+def parse_std_spec(spec: str, flag: str, nproc: int) -> dict[int, int]:
+    """Parse torchrun's --redirects/--tee value into {local_rank: stream mask}.
+
+    ``"3"`` applies mask 3 (stdout and stderr) to every local rank; ``"0:1,1:2"`` gives local rank 0 its
+    stdout and local rank 1 its stderr.
+    """
+    spec = spec.strip() or "0"
+    try:
+        if ":" not in spec:
+            mask = int(spec)
+            masks = {rank: mask for rank in range(nproc)}
+        else:
+            masks = {}
+            for part in spec.split(","):
+                rank, mask = part.split(":")
+                masks[int(rank)] = int(mask)
+    except ValueError:
+        raise UsageError(f"{flag} {spec!r} is not valid: use 0-3, or LOCAL_RANK:0-3 pairs like 0:1,1:2") from None
+    if any(not 0 <= mask <= 3 for mask in masks.values()):
+        raise UsageError(f"{flag} {spec!r} is not valid: each stream mask is 0 (none), 1 (stdout), 2 (stderr) or 3 (both)")
+    return masks
+
+
+def parse_nnodes(value: str) -> tuple[int, int]:
+    """Parse torchrun's --nnodes ``N`` or ``MIN:MAX``."""
+    try:
+        parts = [int(p) for p in value.split(":")]
+    except ValueError:
+        parts = []
+    if len(parts) == 1:
+        parts = parts * 2
+    if len(parts) != 2 or not 1 <= parts[0] <= parts[1]:
+        raise UsageError(f"--nnodes {value!r} is not valid: use N or MIN:MAX with 1 <= MIN <= MAX")
+    return parts[0], parts[1]
+
+
+def visible_gpu_count() -> int:
+    """Count the GPUs this process may use, through NVML and CUDA_VISIBLE_DEVICES; 0 without NVML."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return int(pynvml.nvmlDeviceGetCount())
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # NVML missing, no driver, no GPU: all mean "no GPU here"
+        return 0
+
+
+def resolve_nproc(value: str | None) -> int:
+    """Turn --nproc-per-node (int, gpu, cpu, auto, or unset) into a worker count.
+
+    Unset means one worker per visible GPU, else 1 -- ftrun's one deliberate departure from torchrun,
+    whose default is 1.
+    """
+    if value is None or value == "":
+        return visible_gpu_count() or 1
+    if value == "cpu":
+        return os.cpu_count() or 1
+    if value in ("gpu", "auto"):
+        gpus = visible_gpu_count()
+        if gpus:
+            return gpus
+        if value == "gpu":
+            raise UsageError("--nproc-per-node gpu: no GPU is visible here; give a number, or 'cpu'")
+        return os.cpu_count() or 1
+    try:
+        nproc = int(value)
+    except ValueError:
+        raise UsageError(f"--nproc-per-node {value!r} is not valid: use a number, 'gpu', 'cpu' or 'auto'") from None
+    if nproc < 1:
+        raise UsageError(f"--nproc-per-node {nproc}: at least one worker is needed")
+    return nproc
+
+
+def parse_signals(value: str) -> list[signal.Signals]:
+    """Parse --signals-to-handle ``SIGTERM,SIGINT`` into signal numbers."""
+    result = []
+    for name in filter(None, (n.strip() for n in value.split(","))):
+        try:
+            result.append(signal.Signals[name if name.startswith("SIG") else f"SIG{name}"])
+        except KeyError:
+            raise UsageError(f"--signals-to-handle: {name!r} is not a signal name (e.g. SIGTERM,SIGUSR1)") from None
+    return result
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where the rendezvous store listens."""
+
+    host: str
+    port: int  # 0: pick a free port
+
+
+@dataclass
+class RecoveryConfig:
+    """ftrun's own knobs for in-process recovery."""
+
+    enabled: bool = True
+    respawn: bool = False
+    spares: int = 0
+    min_nproc: int = 1
+    recovery_timeout: float = 30.0
+    join_timeout: float = 60.0
+
+
+@dataclass
+class LaunchConfig:
+    """Everything a launch needs, validated: built by :func:`build_config` from flags and PET_* vars."""
+
+    command: list[str]
+    script: str
+    nproc_per_node: int
+    min_nodes: int = 1
+    max_nodes: int = 1
+    node_rank: int = 0
+    store: Endpoint = Endpoint("localhost", 0)
+    master_addr: str = "localhost"
+    run_id: str = "none"
+    rdzv_backend: str = "static"
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    role: str = "default"
+    log_dir: Path | None = None
+    redirects: dict[int, int] = field(default_factory=dict)
+    tee: dict[int, int] = field(default_factory=dict)
+    local_ranks_filter: set[int] | None = None
+    log_line_prefix_template: str = "[${role_name}${rank}]:"
+    local_addr: str | None = None
+    signals_to_handle: list[signal.Signals] = field(default_factory=list)
+    shutdown_timeout: float = 30.0
+    virtual_local_rank: bool = False
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+
+    @property
+    def world_size(self) -> int:
+        """Number of training workers (spares excluded)."""
+        return self.nproc_per_node * self.min_nodes
+
+
+def _entrypoint(script: str, script_args: list[str], module: bool, no_python: bool, run_path: bool) -> list[str]:
+    """The worker command line, as torchrun builds it (python -u, -m, --no-python, --run-path)."""
+    import sys
+
+    if module and no_python:
+        raise UsageError("-m/--module and --no-python cannot be combined")
+    if run_path:
+        if not Path(script).is_file():
+            raise UsageError(f"script {script!r} not found: give the path of an existing file")
+        runner = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+        return [sys.executable, "-u", "-c", runner, os.path.abspath(script), *script_args]
+    if module:
+        return [sys.executable, "-u", "-m", script, *script_args]
+    if no_python:
+        if shutil.which(script) is None:
+            raise UsageError(f"--no-python: {script!r} is not an executable file or a command on PATH")
+        return [script, *script_args]
+    if not Path(script).is_file():
+        raise UsageError(f"script {script!r} not found: give the path of an existing file (or use -m for a module)")
+    return [sys.executable, "-u", script, *script_args]
+
+
+def _store_endpoint(
+    rdzv_backend: str, rdzv_endpoint: str, master_addr: str, master_port: int | None, standalone: bool
+) -> tuple[Endpoint, str]:
+    """Where ftrun hosts the store, and MASTER_ADDR as torchrun would set it."""
+    if standalone or (rdzv_backend == "static" and not rdzv_endpoint and master_port is None):
+        return Endpoint("localhost", 0), "localhost"
+    if rdzv_backend == "static" and not rdzv_endpoint:
+        return Endpoint(master_addr, int(master_port or 0)), master_addr
+    host, sep, port = rdzv_endpoint.rpartition(":")
+    if not sep:
+        host, port = rdzv_endpoint, "29400"
+    try:
+        return Endpoint(host or "localhost", int(port)), host or "localhost"
+    except ValueError:
+        raise UsageError(f"--rdzv-endpoint {rdzv_endpoint!r} is not HOST:PORT") from None
+
+
+def build_config(
+    *,
+    script: str,
+    script_args: list[str],
+    nproc_per_node: str | None,
+    nnodes: str,
+    node_rank: int,
+    master_addr: str,
+    master_port: int | None,
+    rdzv_backend: str,
+    rdzv_endpoint: str,
+    rdzv_id: str,
+    rdzv_conf: str,
+    standalone: bool,
+    max_restarts: int,
+    monitor_interval: float,
+    start_method: str,
+    role: str,
+    module: bool,
+    no_python: bool,
+    run_path: bool,
+    log_dir: str | None,
+    redirects: str,
+    tee: str,
+    local_ranks_filter: str,
+    local_addr: str | None,
+    signals_to_handle: str,
+    shutdown_timeout: float | None,
+    log_line_prefix_template: str,
+    virtual_local_rank: bool,
+    unsupported: dict[str, object],
+    recovery: RecoveryConfig,
+) -> LaunchConfig:
+    """Validate the flags and build the one :class:`LaunchConfig` the launch runs on."""
+    for flag, value in unsupported.items():
+        if value:
+            raise UsageError(f"{flag} is not supported by ftrun; remove it (ftrun has no equivalent yet)")
+    min_nodes, max_nodes = parse_nnodes(nnodes)
+    if max_nodes > 1:
+        raise UsageError(
+            f"--nnodes {nnodes}: multi-node launch is not available in this version of ftrun; run with --nnodes 1"
+        )
+    if start_method not in ("spawn", "fork", "forkserver"):
+        raise UsageError(f"--start-method {start_method!r} is not valid: use spawn, fork or forkserver")
+    if rdzv_backend not in ("static", "c10d"):
+        raise UsageError(f"--rdzv-backend {rdzv_backend!r} is not supported: use c10d or static (ftrun hosts the store)")
+    if node_rank != 0:
+        raise UsageError(f"--node-rank {node_rank}: a single-node launch has only node rank 0")
+    if max_restarts < 0:
+        raise UsageError("--max-restarts must be 0 or more")
+    if monitor_interval <= 0:
+        raise UsageError("--monitor-interval must be a positive number of seconds")
+    if shutdown_timeout is None:
+        shutdown_timeout = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
+    if shutdown_timeout < 0:
+        raise UsageError("--shutdown-timeout must be 0 or more seconds")
+    if rdzv_conf:
+        for item in rdzv_conf.split(","):
+            if "=" not in item:
+                raise UsageError(f"--rdzv-conf {rdzv_conf!r} is not valid: use KEY=VALUE pairs separated by commas")
+    nproc = resolve_nproc(nproc_per_node)
+    store, addr = _store_endpoint(rdzv_backend, rdzv_endpoint, master_addr, master_port, standalone)
+    if standalone or (rdzv_backend == "static" and not rdzv_endpoint and master_port is None):
+        run_id = str(uuid.uuid4())
+        rdzv_backend = "c10d"
+    else:
+        run_id = rdzv_id
+    ranks_filter = None
+    if local_ranks_filter:
+        try:
+            ranks_filter = {int(r) for r in local_ranks_filter.split(",")}
+        except ValueError:
+            raise UsageError(f"--local-ranks-filter {local_ranks_filter!r} is not valid: use ranks like 0,1,2") from None
+    log_path = _writable_log_dir(log_dir) if log_dir else None
+    if recovery.spares < 0:
+        raise UsageError("--spares must be 0 or more")
+    if not 1 <= recovery.min_nproc <= nproc:
+        raise UsageError(f"--min-nproc {recovery.min_nproc} must be between 1 and the number of workers ({nproc})")
+    return LaunchConfig(
+        command=_entrypoint(script, script_args, module, no_python, run_path),
+        script=script,
+        nproc_per_node=nproc,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        node_rank=node_rank,
+        store=store,
+        master_addr=addr,
+        run_id=run_id,
+        rdzv_backend=rdzv_backend,
+        max_restarts=max_restarts,
+        monitor_interval=monitor_interval,
+        role=role,
+        log_dir=log_path,
+        redirects=parse_std_spec(redirects, "--redirects", nproc),
+        tee=parse_std_spec(tee, "--tee", nproc),
+        local_ranks_filter=ranks_filter,
+        log_line_prefix_template=log_line_prefix_template or "[${role_name}${rank}]:",
+        local_addr=local_addr,
+        signals_to_handle=parse_signals(signals_to_handle),
+        shutdown_timeout=shutdown_timeout,
+        virtual_local_rank=virtual_local_rank,
+        recovery=recovery,
+    )
+
+
+def _writable_log_dir(log_dir: str) -> Path:
+    """Create --log-dir if needed and check that it can be written."""
+    path = Path(log_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--log-dir {log_dir}: cannot create it ({exc.strerror}); pick a writable directory") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError(f"--log-dir {log_dir}: not writable; pick a writable directory")
+    return path

@@ -1,0 +1,20 @@
+"""Errors that ftrun reports to the user as one line instead of a traceback."""
+
+from __future__ import annotations
+
+
+class UsageError(Exception):
+    """Bad input from the user: printed as one line on stderr, exit code 2.
+
+    The message says what is wrong and how to fix it.
+    """
+
+
+EXIT_OK = 0
+"""Every worker finished with exit code 0."""
+EXIT_WORKERS_FAILED = 1
+"""A worker failed and no restart or recovery was left."""
+EXIT_USAGE = 2
+"""Bad input: a flag, a file, a port; nothing was started."""
+EXIT_SIGNAL_BASE = 128
+"""ftrun itself was stopped by signal N: it exits with 128 + N after stopping its workers."""
