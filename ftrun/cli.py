@@ -11,6 +11,13 @@ import typer
 from ftrun.config import RecoveryConfig, build_config
 from ftrun.errors import EXIT_USAGE, UsageError
 
+try:  # recent typer releases bundle their own copy of click, with their own exception classes
+    from typer._click.exceptions import UsageError as _BundledClickUsageError
+except ImportError:
+    _BundledClickUsageError = click.UsageError
+_CLICK_USAGE_ERRORS = (click.UsageError, _BundledClickUsageError)
+_ABORTS = (click.exceptions.Abort, typer.Abort)
+
 app = typer.Typer(
     name="ftrun",
     help="A fault-tolerant torchrun: survivors keep training in place when a worker dies.",
@@ -142,13 +149,15 @@ def main(argv: list[str] | None = None) -> None:
     command = typer.main.get_command(app)
     try:
         code = command.main(args, prog_name="ftrun", standalone_mode=False)
-    except click.UsageError as exc:
+    except _CLICK_USAGE_ERRORS as exc:
+        if not exc.format_message():  # no arguments at all: the help was shown, nothing more to say
+            sys.exit(EXIT_USAGE)
         hint = f" (see 'ftrun {exc.ctx.info_name if exc.ctx and exc.ctx.info_name != 'ftrun' else ''} --help')"
         print(f"ftrun: error: {exc.format_message()}{hint.replace('  ', ' ')}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
     except UsageError as exc:
         print(f"ftrun: error: {exc}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
-    except click.exceptions.Abort:
+    except _ABORTS:
         sys.exit(130)
     sys.exit(code or 0)

@@ -16,9 +16,9 @@ class EventLog:
         self.path = path
         self._file = open(path, "a", encoding="utf-8")
 
-    def write(self, kind: str, **fields: Any) -> dict[str, Any]:
-        """Record one event of ``kind`` with its fields and the wall-clock time; returns the record."""
-        record = {"time": round(time.time(), 6), "event": kind, **fields}
+    def write(self, event: str, **fields: Any) -> dict[str, Any]:
+        """Record one ``event`` with its fields and the wall-clock time; returns the record."""
+        record = {"time": round(time.time(), 6), "event": event, **fields}
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
         self._file.flush()
         return record

@@ -110,7 +110,7 @@ class Agent:
                     f"ftrun: {result.reason}; restarting the group "
                     f"(restart {self.restart_count} of {self.config.max_restarts})", style="bold yellow")
                 continue
-            self.console.notice(format_report(self.config.script, result.failures), style="bold red")
+            self.console.notice(format_report(self.config.script, result.reason, result.failures), style="bold red")
             self.events.write("end", outcome="failed", reason=result.reason)
             return EXIT_WORKERS_FAILED
 
@@ -121,27 +121,29 @@ class Agent:
         self.next_uid = 0
         for local_rank in range(self.config.nproc_per_node):
             self.start_worker(local_rank, rank=local_rank)
-        for _ in range(self.config.recovery.spares):
-            self.start_worker(None, rank=None)
+        for index in range(self.config.recovery.spares):
+            self.start_worker(self.config.nproc_per_node + index, rank=None)
 
-    def start_worker(self, local_rank: int | None, rank: int | None) -> Worker:
-        """Start one worker; ``rank`` None makes it a spare that waits to take a lost worker's place."""
+    def start_worker(self, local_rank: int, rank: int | None, respawn_of: WorkerSlot | None = None) -> Worker:
+        """Start one worker; ``rank`` None makes it a joiner (a spare, or ``respawn_of``'s replacement)."""
         uid = self.next_uid
         self.next_uid += 1
-        spare = rank is None
-        shown_rank = uid if spare else rank
-        local = local_rank if local_rank is not None else uid
-        slot = WorkerSlot(worker_id=f"{self.config.node_rank}:{uid}", local_rank=local, rank=shown_rank, spare=spare)
-        attempt_dir = self.run_dir / f"attempt_{self.restart_count}" / str(local if not spare else f"spare{uid}")
-        env = worker_env(self.config, rank=shown_rank, local_rank=local, uid=uid, restart_count=self.restart_count,
-                         store_port=self.store_host.port, run_dir=str(self.run_dir), spare=spare)
+        joiner = rank is None
+        shown_rank = respawn_of.rank if respawn_of else (uid if joiner else rank)
+        slot = WorkerSlot(uid=uid, worker_id=f"{self.config.node_rank}:{uid}", local_rank=local_rank,
+                          rank=shown_rank, spare=joiner)
+        attempt_dir = self.run_dir / f"attempt_{self.restart_count}" / (str(local_rank) if uid == local_rank
+                                                                          else f"{local_rank}.{uid}")
+        env = worker_env(self.config, rank=shown_rank, local_rank=local_rank, uid=uid,
+                         restart_count=self.restart_count, store_port=self.store_host.port,
+                         run_dir=str(self.run_dir), spare=joiner)
         worker = spawn_worker(slot, self.config.command, env, attempt_dir / "error.json")
-        prefix = render_prefix(self.config.log_line_prefix_template, self.config.role, shown_rank, local)
-        if spare:
-            prefix = prefix.replace(f"{self.config.role}{shown_rank}", f"spare{uid}")
+        prefix = render_prefix(self.config.log_line_prefix_template, self.config.role, shown_rank, local_rank)
+        if joiner and respawn_of is None:
+            prefix = f"[spare{uid}]:"
         console_mask = 0 if (self.config.local_ranks_filter is not None
-                             and local not in self.config.local_ranks_filter) else 3
-        console_mask &= ~self.config.redirects.get(local, 0)
+                             and local_rank not in self.config.local_ranks_filter) else 3
+        console_mask &= ~self.config.redirects.get(local_rank, 0)
         log_dir = attempt_dir if self.config.log_dir else None
         self.workers[uid] = worker
         self.outputs[uid] = WorkerOutput(self.console, prefix, shown_rank, console_mask, log_dir)
@@ -150,8 +152,8 @@ class Agent:
             self.selector.register(pipe, selectors.EVENT_READ, ("output", (uid, stream)))
         self.selector.register(worker.pidfd, selectors.EVENT_READ, ("exit", uid))
         self.selector.register(worker.channel, selectors.EVENT_READ, ("channel", uid))
-        self.events.write("worker_start", uid=uid, rank=shown_rank, local_rank=local, pid=worker.pid,
-                          spare=spare, attempt=self.restart_count)
+        self.events.write("worker_start", uid=uid, rank=shown_rank, local_rank=local_rank, pid=worker.pid,
+                          joiner=joiner, attempt=self.restart_count)
         return worker
 
     def live_workers(self) -> list[Worker]:
@@ -197,8 +199,7 @@ class Agent:
             self.outputs.pop(uid).close()
             self._unregister(worker)
             worker.close()
-        result.succeeded = (result.signal is None and not result.reason
-                            and all(w.exitcode == 0 for w in self.workers.values() if not w.slot.spare))
+        result.succeeded = result.signal is None and not result.reason and self.coordinator.succeeded()
         return result
 
     def _unregister(self, worker: Worker) -> None:
@@ -259,9 +260,9 @@ class Agent:
             return
         failure = describe_failure(worker.slot.rank, worker.slot.local_rank, worker.pid, code, worker.error_file,
                                    self.outputs[uid].stderr_tail)
-        result.failures.append(failure)
         if self.coordinator is not None and self.coordinator.on_fault(worker, failure):
             return
+        result.failures.append(failure)
         result.reason = f"worker failure: {failure.summary()}"
         self.events.write("group_failure", reason=result.reason)
         self.stop_all()

@@ -49,6 +49,7 @@ def worker_env(
         FTRUN_RUN_DIR=run_dir,
         FTRUN_SPARE="1" if spare else "0",
         FTRUN_RECOVERY="1" if config.recovery.enabled else "0",
+        FTRUN_RECOVERY_TIMEOUT=str(config.recovery.recovery_timeout + config.recovery.join_timeout),
     )
     if config.virtual_local_rank and "CUDA_VISIBLE_DEVICES" not in os.environ:
         env["CUDA_VISIBLE_DEVICES"] = str(local_rank)

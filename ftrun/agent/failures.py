@@ -71,8 +71,10 @@ def describe_failure(
     return WorkerFailure(rank, local_rank, pid, exitcode, time.time(), message, tb)
 
 
-def format_report(script: str, failures: list[WorkerFailure]) -> str:
-    """The final report: the root cause (first failure) with its traceback, then the other failures."""
+def format_report(script: str, reason: str, failures: list[WorkerFailure]) -> str:
+    """The final report: why, then the root cause (first failure) with its traceback, then the others."""
+    if not failures:
+        return f"ftrun: {script} failed: {reason}"
     root, *others = sorted(failures, key=lambda f: f.when)
     lines = [
         f"ftrun: {script} failed",

@@ -1,8 +1,15 @@
-"""The recovery coordinator: turns worker faults into new generations (placeholder until in-process recovery)."""
+"""The recovery coordinator: turns worker faults into new generations and times each recovery."""
 
 from __future__ import annotations
 
+import json
+import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from ftrun import protocol
+from ftrun.agent.planning import next_plan, why_not_in_place
+from ftrun.protocol import Plan
 
 if TYPE_CHECKING:
     from ftrun.agent.agent import Agent
@@ -10,23 +17,181 @@ if TYPE_CHECKING:
     from ftrun.agent.workers import Worker
 
 
+@dataclass
+class Recovery:
+    """One recovery in progress: from the first fault noticed to the first step committed after it."""
+
+    kind: str  # "fault" or "join"
+    started: float  # time.time() the fault was noticed (or the joiner became ready)
+    world_before: int
+    committed_before: int
+    lost_ranks: list[int] = field(default_factory=list)
+    lost_uids: list[int] = field(default_factory=list)
+    plan_sent: float = 0.0
+    gen: int = 0
+    reports: dict[int, dict[str, Any]] = field(default_factory=dict)
+    waiting_since: float | None = None  # below --min-nproc: waiting for joiners since
+
+
 class Coordinator:
-    """Decides, for each fault, between in-process recovery and a group restart."""
+    """Decides, for each fault, between in-place recovery and a group restart, and runs the former.
+
+    Learns of faults from the agent (worker exits), writes each generation's plan to the store and
+    sends it to every local worker over its control channel, and records one event per recovery with
+    its phases timed.
+    """
 
     def __init__(self, agent: Agent, store: Any) -> None:
         self.agent = agent
         self.store = store
+        self.config = agent.config.recovery
+        self.target = agent.config.world_size
+        self.plan = Plan(0, list(range(self.target)))
+        self.adopted: set[int] = set()
+        self.ready: list[int] = []
+        self.finished: set[int] = set()
+        self.last_step: dict[int, int] = {}
+        self.recovery: Recovery | None = None
+        self.fallback: str | None = None
 
+    # --------------------------------------------------------------- inputs
     def on_message(self, worker: Worker, message: dict[str, Any]) -> None:
         """A control message from a worker."""
+        uid, kind = worker.uid, message.get("t")
+        if kind == protocol.HELLO:
+            self.adopted.add(uid)
+        elif kind == protocol.READY:
+            self.ready.append(uid)
+            self.agent.events.write("joiner_ready", uid=uid, pid=worker.pid)
+            self._place_joiners()
+        elif kind == protocol.RECOVERED and self.recovery and message["gen"] == self.recovery.gen:
+            self.recovery.reports[uid] = message
+        elif kind == protocol.PROGRESS:
+            self.last_step[uid] = message["step"]
+            if self.recovery and message["gen"] == self.recovery.gen:
+                self._recovered(message)
 
     def on_finished(self, worker: Worker) -> None:
-        """A worker ended with exit code 0."""
+        """A worker ended with exit code 0; once every member has, idle spares are stopped."""
+        self.finished.add(worker.uid)
+        if all(uid in self.finished for uid in self.plan.members):
+            self.agent.stop_all()
 
     def on_fault(self, worker: Worker, failure: WorkerFailure) -> bool:
-        """A worker failed; True when recovered in place, False to restart the group."""
-        return False
+        """A worker failed; True when the survivors recover in place, False to restart the group."""
+        uid = worker.uid
+        if not self.config.enabled:
+            return False
+        if uid in self.ready or uid not in self.plan.members:
+            if uid in self.ready:
+                self.ready.remove(uid)
+            self.agent.events.write("joiner_lost", uid=uid, how=failure.how)
+            return True
+        survivors = [m for m in self.plan.members if m != uid and m not in self.finished]
+        reason = why_not_in_place(self.plan.members, self.adopted, len(survivors), len(self.ready) + (
+            1 if self.config.respawn else 0), self.config.min_nproc)
+        if reason is not None:
+            self.agent.events.write("recovery_refused", uid=uid, reason=reason)
+            return False
+        rank = self.plan.rank_of(uid)
+        if self.recovery is None:
+            self.recovery = Recovery("fault", failure.when, self.plan.world_size,
+                                     max(self.last_step.values(), default=-1))
+        self.recovery.lost_ranks.append(rank)
+        self.recovery.lost_uids.append(uid)
+        self.agent.events.write("fault", uid=uid, rank=rank, pid=failure.pid, how=failure.how,
+                                message=failure.message, gen=self.plan.gen)
+        if self.config.respawn:
+            self.agent.start_worker(worker.slot.local_rank, rank=None, respawn_of=worker.slot)
+        if len(survivors) + len(self.ready) < self.config.min_nproc:
+            self.recovery.waiting_since = self.recovery.waiting_since or time.time()
+            self.plan = Plan(self.plan.gen, survivors)
+            return True
+        self._issue(next_plan(self.plan, {uid}, self.ready, self.target, f"lost rank {rank}"))
+        return True
 
     def tick(self, now: float) -> str | None:
-        """Called every monitor interval; returns a reason to fall back to a group restart, or None."""
+        """Called every monitor interval: the reason to fall back to a group restart, or None."""
+        recovery = self.recovery
+        if recovery is None:
+            return None
+        wall = time.time()
+        if recovery.waiting_since is not None and wall - recovery.waiting_since > self.config.join_timeout:
+            return self._give_up(f"no joiner came within --join-timeout {self.config.join_timeout:.0f} s "
+                                 f"to reach --min-nproc {self.config.min_nproc}")
+        if recovery.waiting_since is None and wall - recovery.started > self.config.recovery_timeout:
+            return self._give_up(f"in-place recovery did not finish within --recovery-timeout "
+                                 f"{self.config.recovery_timeout:.0f} s")
         return None
+
+    def succeeded(self) -> bool:
+        """Whether every member of the current generation finished with exit code 0."""
+        return bool(self.plan.members) and all(uid in self.finished for uid in self.plan.members)
+
+    # ------------------------------------------------------------ decisions
+    def _place_joiners(self) -> None:
+        """Ready joiners fill a generation that is below its target size."""
+        if self.recovery is not None and self.recovery.waiting_since is None:
+            return  # a recovery is under way; joiners are placed once it is done
+        if len(self.plan.members) >= self.target or not self.ready:
+            return
+        if self.recovery is None:
+            self.recovery = Recovery("join", time.time(), self.plan.world_size,
+                                     max(self.last_step.values(), default=-1))
+        if len(self.plan.members) + len(self.ready) < self.config.min_nproc:
+            return
+        self.recovery.waiting_since = None
+        self._issue(next_plan(self.plan, (), self.ready, self.target, "joiner ready"))
+
+    def _issue(self, plan: Plan) -> None:
+        """Make ``plan`` the current generation: store it, and send it to every live local worker."""
+        for uid in plan.joiners:
+            self.ready.remove(uid)
+        self.plan = plan
+        self.recovery.gen = plan.gen
+        self.recovery.plan_sent = time.time()
+        self.recovery.reports.clear()
+        message = json.dumps(plan.message())
+        self.store.set(f"ftrun/a{self.agent.restart_count}/plan/{plan.gen}", message)
+        self.store.set(f"ftrun/a{self.agent.restart_count}/gen", str(plan.gen))
+        data = (message + "\n").encode()
+        for worker in self.agent.live_workers():
+            try:
+                worker.channel.sendall(data)
+            except OSError:
+                pass  # it is ending; its exit comes through the event loop
+        self.agent.events.write("generation", gen=plan.gen, members=plan.members, reason=plan.reason,
+                                lost=plan.lost, joiners=plan.joiners, world_size=plan.world_size)
+
+    def _recovered(self, first_commit: dict[str, Any]) -> None:
+        """The first step of the new generation committed: the recovery is over; record and announce it."""
+        recovery, self.recovery = self.recovery, None
+        done = first_commit["time"]
+        phases = {"detect": 0.0, "plan": round(recovery.plan_sent - recovery.started, 6)}
+        for name in ("abort", "rendezvous", "agree", "transfer"):
+            phases[name] = max((r["timings"][name] for r in recovery.reports.values()), default=0.0)
+        recovered_at = max((r["plan_received"] + sum(r["timings"].values()) for r in recovery.reports.values()),
+                           default=recovery.plan_sent)
+        phases["first_step"] = round(done - recovered_at, 6)
+        after = min((r["step"] for r in recovery.reports.values()), default=recovery.committed_before)
+        lost_steps = max(0, recovery.committed_before - max(after, first_commit["step"] - 1))
+        total = done - recovery.started
+        self.agent.events.write(
+            "recovery", kind=recovery.kind, gen=self.plan.gen, lost_ranks=recovery.lost_ranks,
+            lost_uids=recovery.lost_uids, world_before=recovery.world_before, world_after=self.plan.world_size,
+            joiners=self.plan.joiners, steps_lost=lost_steps, resumed_at_step=first_commit["step"],
+            latency=round(total, 6), phases=phases)
+        if recovery.kind == "fault":
+            lost = ", ".join(str(r) for r in recovery.lost_ranks)
+            what = f"loss of rank{'s' if len(recovery.lost_ranks) > 1 else ''} {lost}"
+        else:
+            what = f"joiner{'s' if len(self.plan.joiners) > 1 else ''} arriving"
+        self.agent.console.notice(
+            f"ftrun: recovered from {what} in {total:.2f} s: world {recovery.world_before} -> "
+            f"{self.plan.world_size}, {lost_steps} steps lost", style="bold green")
+        self._place_joiners()
+
+    def _give_up(self, reason: str) -> str:
+        self.agent.events.write("recovery_failed", reason=reason, gen=self.plan.gen)
+        self.recovery = None
+        return reason

@@ -24,7 +24,8 @@ def _die_with_parent() -> None:
 class WorkerSlot:
     """A worker's place in the launch: its stable id, local rank, initial global rank."""
 
-    worker_id: str  # node:local_rank[:incarnation], stable across generations
+    uid: int  # incarnation id, unique within an attempt: the worker's identity in generation plans
+    worker_id: str  # node:uid, unique across nodes
     local_rank: int
     rank: int  # rank the process was started with (its console prefix); the plan may renumber it
     spare: bool = False
@@ -43,6 +44,11 @@ class Worker:
     exitcode: int | None = None
     exited_at: float | None = None
     channel_buffer: bytes = b""
+
+    @property
+    def uid(self) -> int:
+        """The worker's incarnation id."""
+        return self.slot.uid
 
     @property
     def pid(self) -> int:

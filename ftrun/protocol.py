@@ -1,0 +1,56 @@
+"""What the agent and its workers say to each other: generation plans and control messages.
+
+Messages are JSON objects, one per line, over the socket pair a worker inherits as FTRUN_CHANNEL_FD.
+This module is shared by both sides, so it imports neither.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# worker -> agent
+HELLO = "hello"  # the worker adopted the API: {uid, pid, spare}
+READY = "ready"  # a joiner (spare or respawned worker) waits to be placed: {uid}
+PROGRESS = "progress"  # a step committed: {gen, step, time, step_time}
+RECOVERED = "recovered"  # the worker finished recovery for a generation: {gen, step, timings}
+# agent -> worker
+PLAN = "plan"  # a new generation: Plan fields
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One generation: who is in the group, in rank order, and why it changed."""
+
+    gen: int
+    members: list[int]  # worker uids in rank order
+    reason: str = "start"
+    lost: list[int] = field(default_factory=list)
+    joiners: list[int] = field(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks in this generation."""
+        return len(self.members)
+
+    def rank_of(self, uid: int) -> int | None:
+        """The rank ``uid`` has in this generation, or None when it is not a member."""
+        try:
+            return self.members.index(uid)
+        except ValueError:
+            return None
+
+    def message(self) -> dict[str, Any]:
+        """The plan as a control message."""
+        return {"t": PLAN, **asdict(self)}
+
+    @staticmethod
+    def from_message(message: dict[str, Any]) -> Plan:
+        """Read a plan back from a control message."""
+        return Plan(**{k: v for k, v in message.items() if k != "t"})
+
+
+def encode(kind: str, **fields: Any) -> bytes:
+    """One control message as a JSON line."""
+    return (json.dumps({"t": kind, **fields}) + "\n").encode()

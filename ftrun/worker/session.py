@@ -1,0 +1,339 @@
+"""The worker API: join the job, protect state, run steps that commit only when they completed everywhere."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from ftrun import protocol
+from ftrun.protocol import Plan
+from ftrun.worker.channel import AgentChannel
+from ftrun.worker.group import Communicator, Superseded
+from ftrun.worker.state import Stateful, pack, unpack
+
+
+class CollectiveFailed(Exception):
+    """A collective of the current generation failed (a peer died or the group was re-formed)."""
+
+
+class Session:
+    """One worker's membership in the job.
+
+    Under ftrun the session learns of each new generation from its agent, re-forms the process group
+    among the survivors, agrees with them on the last committed step and takes state from a peer if
+    it is behind. Under plain torchrun (no ftrun agent) it is an ordinary DDP loop.
+    """
+
+    def __init__(self, backend: str | None = None, timeout: timedelta = timedelta(minutes=30)) -> None:
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.uid = int(os.environ.get("FTRUN_UID", os.environ.get("RANK", "0")))
+        self.spare = os.environ.get("FTRUN_SPARE") == "1"
+        self.managed = "FTRUN_CHANNEL_FD" in os.environ and os.environ.get("FTRUN_RECOVERY", "1") == "1"
+        self.recovery_timeout = float(os.environ.get("FTRUN_RECOVERY_TIMEOUT", "30"))
+        self.protected: dict[str, Stateful] = {}
+        self.committed_step = -1
+        self.gen = 0
+        self._ddps: list[tuple[DistributedDataParallel, dict[str, Any]]] = []
+        self._cond = threading.Condition()
+        self._latest: Plan | None = None
+        self._poisoned = False  # a newer plan arrived: nothing more may be issued on this generation
+        self._step_failed = False
+        self._pending: dict[torch.futures.Future, torch.Tensor] = {}  # hook futures and their buckets
+        self._considered = 0  # newest plan generation looked at by recovery
+        self._plan_received = time.time()
+        self._step = 0
+        self._step_started = 0.0
+        self._recovery_timings: dict[str, float] | None = None
+        if not self.managed:
+            dist.init_process_group(self.backend, timeout=timeout)
+            self.channel = None
+            return
+        self.channel = AgentChannel(int(os.environ["FTRUN_CHANNEL_FD"]), self._on_message)
+        self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                   timeout=timedelta(seconds=300))
+        self.comm = Communicator(self.store, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), self.uid,
+                                 self.backend, timeout)
+        first = None if self.spare else Plan(0, list(range(int(os.environ["WORLD_SIZE"]))))
+        with self._cond:
+            self._latest = self._latest or first or Plan(-1, [])
+        if first is None:
+            self.gen = self._considered = -1
+            self.committed_step = -2  # a joiner is always behind: it takes state even before any commit
+            self.comm.start_alone()
+        else:
+            self.comm.form(first, lambda: False)
+        self.channel.send(protocol.HELLO, uid=self.uid, pid=os.getpid(), spare=self.spare)
+
+    # ------------------------------------------------------------ public API
+    @property
+    def rank(self) -> int:
+        """This worker's rank in the current generation."""
+        return dist.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks in the current generation."""
+        return dist.get_world_size()
+
+    def ddp(self, module: torch.nn.Module, **kwargs: Any) -> DistributedDataParallel:
+        """Wrap ``module`` in stock DDP whose gradients are summed through ftrun's comm hook.
+
+        The hook turns a failed or abandoned all-reduce into a discarded step instead of an exception
+        in ``backward()``. Gradients are summed, not averaged: divide the loss by the global batch size.
+        """
+        model = DistributedDataParallel(module, **kwargs)
+        model.register_comm_hook(None, self._allreduce_hook)
+        self._ddps.append((model, kwargs))
+        return model
+
+    def protect(self, **objects: Stateful) -> None:
+        """Register the state a peer sends to a rank that is behind: models, optimizers, schedulers..."""
+        self.protected.update(objects)
+
+    def steps(self, total: int) -> Iterator[int]:
+        """Yield step numbers up to ``total``; after a fault, the first uncommitted step comes again."""
+        if not self.managed:
+            for step in range(total):
+                self._step = step
+                yield step
+            return
+        if self.spare:
+            self.channel.send(protocol.READY, uid=self.uid)
+            self._recover()
+        step = self.committed_step + 1
+        while step < total:
+            if self._needs_recovery():
+                self._recover()
+                step = self.committed_step + 1
+                continue
+            with self._cond:
+                self._step, self._step_failed = step, False
+            self._step_started = time.monotonic()
+            yield step
+            if self.committed_step == step:
+                step += 1
+            elif not self._needs_recovery():
+                raise RuntimeError("ftrun: call commit(optimizer) once in every step of steps()")
+
+    def commit(self, optimizer: torch.optim.Optimizer, loss: torch.Tensor | None = None) -> float | None:
+        """Step ``optimizer`` if this step's collectives completed; returns the loss summed over ranks.
+
+        Returns None when the step was abandoned (a peer was lost): nothing was applied, the gradients
+        are dropped and :meth:`steps` yields the same step again after recovery.
+        """
+        total = None
+        if loss is not None:
+            summed = loss.detach().reshape(1).to(torch.float64)
+            try:
+                self._wait(self._issue(lambda: dist.all_reduce(summed, async_op=True)))
+                total = float(summed.item())
+            except (CollectiveFailed, Superseded):
+                self._fail_step()
+        with self._cond:
+            ok = not (self._poisoned or self._step_failed)
+        if not ok:
+            optimizer.zero_grad(set_to_none=True)
+            return None
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        self.committed_step = self._step
+        if self.channel is not None:
+            self.channel.send(protocol.PROGRESS, gen=self.gen, step=self._step, time=time.time(),
+                              step_time=time.monotonic() - self._step_started)
+        return total
+
+    # ------------------------------------------------------ hook and issuing
+    def _allreduce_hook(self, _state, bucket):  # noqa: ANN001, ANN202 -- DDP rejects string annotations here
+        """DDP comm hook: sum the bucket over the current generation; a failure only discards the step."""
+        buffer = bucket.buffer()
+        result: torch.futures.Future = torch.futures.Future()
+        with self._cond:  # issue and register in one step, so a new plan cannot slip between them
+            abandoned = self._poisoned
+            if abandoned:
+                self._step_failed = True
+            else:
+                work = dist.all_reduce(buffer, async_op=True)
+                self._pending[result] = buffer
+        if abandoned:
+            result.set_result(buffer)
+            return result
+
+        def finished(fut: torch.futures.Future) -> None:
+            try:
+                fut.value()
+            except Exception:
+                self._fail_step()
+            self._complete({result})
+
+        work.get_future().add_done_callback(finished)
+        return result
+
+    def _complete(self, futures: set[torch.futures.Future]) -> None:
+        """Complete hook futures (once each), so a blocked backward returns; called outside the lock."""
+        with self._cond:
+            mine = {fut: self._pending.pop(fut) for fut in futures if fut in self._pending}
+            self._cond.notify_all()
+        for fut, buffer in mine.items():
+            fut.set_result(buffer)
+
+    def _fail_step(self) -> None:
+        with self._cond:
+            self._step_failed = True
+            self._cond.notify_all()
+
+    def _issue(self, start: Callable[[], dist.Work]) -> dist.Work:
+        """Start a collective unless a newer generation was announced (then raise Superseded)."""
+        with self._cond:
+            if self._poisoned:
+                raise Superseded("a newer generation was announced")
+            return start()
+
+    def _wait(self, work: dist.Work, deadline: float | None = None) -> None:
+        """Wait for ``work`` but give up as soon as a newer generation is announced or the deadline passes."""
+        future = work.get_future()
+        future.add_done_callback(lambda _: self._notify())
+        with self._cond:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._cond.wait_for(lambda: future.done() or self._poisoned, timeout=remaining)
+            if not future.done():
+                raise Superseded("a newer generation was announced") if self._poisoned else CollectiveFailed("timeout")
+        try:
+            future.value()
+        except Exception as exc:
+            raise CollectiveFailed(str(exc)) from exc
+
+    def _notify(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    # -------------------------------------------------------------- watcher
+    def _on_message(self, message: dict[str, Any]) -> None:
+        """Runs on the channel thread: a new plan poisons the current generation and frees a blocked step."""
+        if message.get("t") != protocol.PLAN:
+            return
+        plan = Plan.from_message(message)
+        with self._cond:
+            if self._latest is not None and plan.gen <= self._latest.gen:
+                return
+            self._latest = plan
+            self._poisoned = True
+            self._plan_received = time.time()
+            pending = set(self._pending)
+            self._cond.notify_all()
+        self.comm.abort()
+        self._complete(pending)
+
+    def _needs_recovery(self) -> bool:
+        with self._cond:
+            return self._step_failed or self._latest.gen > self.gen
+
+    # -------------------------------------------------------------- recovery
+    def _recover(self) -> None:
+        """Join the newest generation: form its group, agree on the committed step, fetch state if behind."""
+        deadline = None if self.spare else time.monotonic() + self.recovery_timeout
+        while True:
+            plan, received = self._next_plan(deadline)
+            deadline = deadline or time.monotonic() + self.recovery_timeout
+            superseded = lambda: self._latest.gen != plan.gen  # noqa: E731
+            try:
+                t0 = time.time()
+                self.comm.form(plan, superseded)
+                self._rebuild_ddp()
+                t1 = time.time()
+                best, source, behind = self._agree(deadline)
+                t2 = time.time()
+                self._transfer(best, source, behind, deadline)
+                t3 = time.time()
+            except (Superseded, CollectiveFailed, dist.DistError) as exc:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"ftrun: recovery did not finish in time: {exc}") from exc
+                with self._cond:  # a newer plan is coming (a peer failed during recovery): wait for it
+                    self._cond.wait_for(lambda: self._latest.gen != plan.gen, timeout=1.0)
+                continue
+            with self._cond:
+                if self._latest.gen != plan.gen:
+                    continue
+                self.gen = plan.gen
+                self.spare = False
+            timings = {"abort": round(t0 - received, 6), "rendezvous": round(t1 - t0, 6),
+                       "agree": round(t2 - t1, 6), "transfer": round(t3 - t2, 6)}
+            self.channel.send(protocol.RECOVERED, gen=plan.gen, step=self.committed_step, timings=timings,
+                              received_state=self.rank in behind, plan_received=received)
+            return
+
+    def _next_plan(self, deadline: float | None) -> tuple[Plan, float]:
+        """Wait for a plan newer than any looked at that places this worker; reopen the gate for it."""
+        with self._cond:
+            while True:
+                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not self._cond.wait_for(lambda: self._latest.gen > self._considered, timeout=timeout):
+                    raise RuntimeError(f"ftrun: no new generation within {self.recovery_timeout:.0f} s of a fault")
+                plan = self._latest
+                self._considered = plan.gen
+                if plan.rank_of(self.uid) is not None:
+                    self._poisoned = self._step_failed = False
+                    return plan, self._plan_received
+                if not self.spare:
+                    raise RuntimeError(f"ftrun: worker {self.uid} was left out of generation {plan.gen}")
+
+    def _agree(self, deadline: float) -> tuple[int, int, list[int]]:
+        """All-gather the committed steps: (highest, lowest rank holding it, ranks behind it)."""
+        mine = torch.tensor([self.committed_step], dtype=torch.int64)
+        steps = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        self._wait(self._issue(lambda: dist.all_gather(steps, mine, async_op=True)), deadline)
+        values = [int(t.item()) for t in steps]
+        best = max(values)
+        return best, values.index(best), [r for r, v in enumerate(values) if v < best]
+
+    def _transfer(self, best: int, source: int, behind: list[int], deadline: float) -> None:
+        """The source rank sends its protected state to every rank behind it, point to point."""
+        if not behind:
+            return
+        if self.rank == source:
+            payload = pack(self.protected, best)
+            size = torch.tensor([payload.numel()], dtype=torch.int64)
+            works = []
+            for rank in behind:
+                works.append(self._issue(lambda r=rank: dist.isend(size, r)))
+                works.append(self._issue(lambda r=rank: dist.isend(payload, r)))
+            for work in works:
+                self._wait(work, deadline)
+        elif self.rank in behind:
+            size = torch.zeros(1, dtype=torch.int64)
+            self._wait(self._issue(lambda: dist.irecv(size, source)), deadline)
+            payload = torch.empty(int(size.item()), dtype=torch.uint8)
+            self._wait(self._issue(lambda: dist.irecv(payload, source)), deadline)
+            self.committed_step = unpack(payload, self.protected)
+
+    def _rebuild_ddp(self) -> None:
+        """Rebuild each DDP on the new default group; the user's model object stays the same.
+
+        DDP's reducer holds its process group; re-running its constructor binds the new group, builds
+        fresh buckets (no stale collective can write into them) and re-broadcasts the parameters.
+        """
+        for model, kwargs in self._ddps:
+            DistributedDataParallel.__init__(model, model.module, **kwargs)
+            model.register_comm_hook(None, self._allreduce_hook)
+
+
+_session: Session | None = None
+
+
+def init(backend: str | None = None, timeout: timedelta = timedelta(minutes=30)) -> Session:
+    """Join the job (once per process) and return the :class:`Session`.
+
+    Under ftrun a spare or restarted worker returns at once too, with a group of its own; it takes its
+    place, and a peer's state, when it reaches :meth:`Session.steps`.
+    """
+    global _session
+    if _session is None:
+        _session = Session(backend, timeout)
+    return _session
