@@ -54,3 +54,16 @@ class StoreHost:
             use_libuv=True,
         )
         return self.store
+
+    def clear_worker_keys(self, keep_prefix: str = "ftrun/") -> None:
+        """Delete what the workers of an ended attempt wrote (process group addresses, barrier counters).
+
+        Call it once they are all gone: the next group's ``init_process_group`` would otherwise read the
+        dead workers' addresses and fail to connect (pytorch#135712). Keys under ``keep_prefix`` are
+        ftrun's own, namespaced per attempt, and stay. Without ``list_keys`` (older torch) nothing is done.
+        """
+        if self.store is None or not hasattr(self.store, "list_keys"):
+            return
+        for key in self.store.list_keys():
+            if not key.startswith(keep_prefix):
+                self.store.delete_key(key)

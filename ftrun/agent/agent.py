@@ -106,6 +106,7 @@ class Agent:
                 return EXIT_SIGNAL_BASE + result.signal
             if self.restart_count < self.config.max_restarts:
                 self.restart_count += 1
+                self.store_host.clear_worker_keys()  # the new group must not read the old one's addresses
                 self.console.notice(
                     f"ftrun: {result.reason}; restarting the group "
                     f"(restart {self.restart_count} of {self.config.max_restarts})", style="bold yellow")
@@ -210,6 +211,8 @@ class Agent:
                 pass
 
     def _read_output(self, pipe, uid: int, stream: int) -> None:
+        if pipe not in self.selector.get_map():  # drained to EOF by _on_exit earlier in the same select batch
+            return
         try:
             data = os.read(pipe.fileno(), 65536)
         except BlockingIOError:

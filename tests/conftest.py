@@ -1,0 +1,56 @@
+"""Shared fixtures: run the real `ftrun` command in a clean environment, find free ports."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+FTRUN = [sys.executable, "-m", "ftrun"]
+WORKLOADS = Path(__file__).parent / "workloads"
+
+
+@pytest.fixture(scope="session")
+def launcher_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The environment launchers run in: this one, without PET_* flags, with a private cache directory."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_", "FTRUN_"))}
+    env["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+@pytest.fixture(scope="session")
+def workload():
+    """The path of a helper script in tests/workloads, as a string."""
+
+    def path(name: str) -> str:
+        return str(WORKLOADS / name)
+
+    return path
+
+
+@pytest.fixture(scope="session")
+def run_ftrun(launcher_env):
+    """Run `ftrun ARGS...` to completion; returns the CompletedProcess (text stdout and stderr)."""
+
+    def run(*args: str, env: dict[str, str] | None = None, timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
+        return subprocess.run([*FTRUN, *map(str, args)], env={**launcher_env, **(env or {})}, capture_output=True,
+                              text=True, timeout=timeout, **kwargs)
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def free_port():
+    """A function returning a TCP port that was free a moment ago."""
+
+    def pick() -> int:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    return pick
