@@ -23,7 +23,7 @@ class Recovery:
 
     kind: str  # "fault" or "join"
     started: float  # time.time() the fault was noticed (or the joiner became ready)
-    world_before: int
+    before: Plan  # the generation the fault hit: lost ranks are named by their rank in it
     committed_before: int
     lost_ranks: list[int] = field(default_factory=list)
     lost_uids: list[int] = field(default_factory=list)
@@ -93,21 +93,21 @@ class Coordinator:
         if reason is not None:
             self.agent.events.write("recovery_refused", uid=uid, reason=reason)
             return False
-        rank = self.plan.rank_of(uid)
         if self.recovery is None:
-            self.recovery = Recovery("fault", failure.when, self.plan.world_size,
-                                     max(self.last_step.values(), default=-1))
+            self.recovery = Recovery("fault", failure.when, self.plan, max(self.last_step.values(), default=-1))
+        before = self.recovery.before
+        rank = before.rank_of(uid) if uid in before.members else self.plan.rank_of(uid)
         self.recovery.lost_ranks.append(rank)
         self.recovery.lost_uids.append(uid)
         self.agent.events.write("fault", uid=uid, rank=rank, pid=failure.pid, how=failure.how,
                                 message=failure.message, gen=self.plan.gen)
-        if self.config.respawn:
-            self.agent.start_worker(worker.slot.local_rank, rank=None, respawn_of=worker.slot)
         if len(survivors) + len(self.ready) < self.config.min_nproc:
             self.recovery.waiting_since = self.recovery.waiting_since or time.time()
             self.plan = Plan(self.plan.gen, survivors)
-            return True
-        self._issue(next_plan(self.plan, {uid}, self.ready, self.target, f"lost rank {rank}"))
+        else:
+            self._issue(next_plan(self.plan, {uid}, self.ready, self.target, f"lost rank {rank}"))
+        if self.config.respawn:  # after the plan: starting a process is not on the survivors' path
+            self.agent.start_worker(worker.slot.local_rank, rank=None, respawn_of=worker.slot)
         return True
 
     def tick(self, now: float) -> str | None:
@@ -136,8 +136,7 @@ class Coordinator:
         if len(self.plan.members) >= self.target or not self.ready:
             return
         if self.recovery is None:
-            self.recovery = Recovery("join", time.time(), self.plan.world_size,
-                                     max(self.last_step.values(), default=-1))
+            self.recovery = Recovery("join", time.time(), self.plan, max(self.last_step.values(), default=-1))
         if len(self.plan.members) + len(self.ready) < self.config.min_nproc:
             return
         self.recovery.waiting_since = None
@@ -178,7 +177,7 @@ class Coordinator:
         total = done - recovery.started
         self.agent.events.write(
             "recovery", kind=recovery.kind, gen=self.plan.gen, lost_ranks=recovery.lost_ranks,
-            lost_uids=recovery.lost_uids, world_before=recovery.world_before, world_after=self.plan.world_size,
+            lost_uids=recovery.lost_uids, world_before=recovery.before.world_size, world_after=self.plan.world_size,
             joiners=self.plan.joiners, steps_lost=lost_steps, resumed_at_step=first_commit["step"],
             latency=round(total, 6), phases=phases)
         if recovery.kind == "fault":
@@ -187,7 +186,7 @@ class Coordinator:
         else:
             what = f"joiner{'s' if len(self.plan.joiners) > 1 else ''} arriving"
         self.agent.console.notice(
-            f"ftrun: recovered from {what} in {total:.2f} s: world {recovery.world_before} -> "
+            f"ftrun: recovered from {what} in {total:.2f} s: world {recovery.before.world_size} -> "
             f"{self.plan.world_size}, {lost_steps} steps lost", style="bold green")
         self._place_joiners()
 

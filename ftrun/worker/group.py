@@ -1,20 +1,26 @@
-"""The process group of each generation: the stale one is abandoned, a fresh one formed among the members.
+"""The process group of each generation: the stale one is aborted, a fresh one formed among the members.
 
 Why not re-form the stale group in place with torch 2.14's ``_reconfigure``: on Gloo it re-forms the
 group, but the collectives that were in flight when the peer died are not aborted (``abort()`` is a
 no-op on Gloo too). They keep the group's worker threads blocked, waiting for peers that will never
-send, and every new collective queues behind them. A fresh group has threads of its own, so ftrun
-abandons the stale group (shuts it down without waiting, and keeps the object alive so that no
-destructor ever joins its blocked threads) and forms a new one on a store prefix of its generation.
+send, and every new collective queues behind them. So ftrun aborts a Gloo group itself, by shutting
+down the group's own TCP connections: every collective in flight on it fails at once, here and on
+every peer. The stale group object is kept alive (its destructor would join threads) and a fresh
+group is formed on a store prefix of its generation.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
+import socket
+import sys
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
 
+import psutil
 import torch.distributed as dist
 
 from ftrun.protocol import Plan
@@ -27,6 +33,21 @@ class Superseded(Exception):
 def _abandon(group: dist.ProcessGroup) -> None:
     """Never free ``group``: its destructor would wait for collectives that cannot finish."""
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+
+
+def _tcp_fds() -> set[int]:
+    """This process's connected TCP sockets (listeners left out: Gloo's must keep accepting)."""
+    return {conn.fd for conn in psutil.Process().net_connections(kind="tcp") if conn.fd != -1 and conn.raddr}
+
+
+def _shut_down(fds: set[int]) -> None:
+    """Shut down the sockets behind ``fds`` (both directions) without closing the descriptors."""
+    for fd in fds:
+        try:
+            with socket.socket(fileno=os.dup(fd)) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already closed by its owner
 
 
 class Communicator:
@@ -44,6 +65,8 @@ class Communicator:
         self.uid = uid
         self.backend = backend
         self.timeout = timeout
+        self._lock = threading.Lock()
+        self._group_fds: set[int] = set()  # the current group's own connections (Gloo)
 
     def start_alone(self) -> None:
         """A group of this worker alone: a spare waits in it until a plan places it."""
@@ -55,21 +78,35 @@ class Communicator:
         self.store.set(barrier + str(self.uid), "1")
         self._wait_keys([barrier + str(uid) for uid in plan.members], superseded)
         if dist.is_initialized():
-            stale = dist.group.WORLD
-            _abandon(stale)
+            self.abort()
+            _abandon(dist.group.WORLD)
             dist.destroy_process_group()
         self._init(f"g{plan.gen}", plan.rank_of(self.uid), plan.world_size)
 
     def abort(self) -> None:
-        """Abort the current communicator where the backend can (NCCL: frees blocked kernels)."""
-        if dist.is_initialized() and dist.get_backend() == "nccl":
+        """Make every collective in flight on the current group fail now, here and on its peers.
+
+        NCCL: ``_abort_process_group`` where this torch has it. Gloo: shut down the group's connections.
+        Safe to call from the watcher thread, and more than once.
+        """
+        if not dist.is_initialized():
+            return
+        if dist.get_backend() == "nccl":
             abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
             if abort is not None:
                 abort()
+            return
+        with self._lock:
+            fds, self._group_fds = self._group_fds, set()
+        _shut_down(fds)
 
     def _init(self, name: str, rank: int | None, world_size: int) -> None:
+        before, hook = _tcp_fds(), sys.excepthook
         dist.init_process_group(self.backend, store=dist.PrefixStore(f"{self.prefix}/{name}", self.store),
                                 rank=rank, world_size=world_size, timeout=self.timeout)
+        sys.excepthook = hook  # torch's would stack a "[rankN]:" prefix per group; the agent prefixes lines
+        with self._lock:
+            self._group_fds = _tcp_fds() - before
 
     def _wait_keys(self, keys: list[str], superseded: Callable[[], bool]) -> None:
         """Wait for every key, checking for a newer plan between short polls (store waits cannot be cut)."""

@@ -50,17 +50,18 @@ class Session:
         self._considered = 0  # newest plan generation looked at by recovery
         self._plan_received = time.time()
         self._step = 0
+        self._epoch = 0  # steps and recoveries started: a late collective failure only fails its own epoch
         self._step_started = 0.0
         self._recovery_timings: dict[str, float] | None = None
         if not self.managed:
             dist.init_process_group(self.backend, timeout=timeout)
             self.channel = None
             return
-        self.channel = AgentChannel(int(os.environ["FTRUN_CHANNEL_FD"]), self._on_message)
         self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                                    timeout=timedelta(seconds=300))
         self.comm = Communicator(self.store, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), self.uid,
                                  self.backend, timeout)
+        self.channel = AgentChannel(int(os.environ["FTRUN_CHANNEL_FD"]), self._on_message)
         first = None if self.spare else Plan(0, list(range(int(os.environ["WORLD_SIZE"]))))
         with self._cond:
             self._latest = self._latest or first or Plan(-1, [])
@@ -116,6 +117,7 @@ class Session:
                 continue
             with self._cond:
                 self._step, self._step_failed = step, False
+                self._epoch += 1
             self._step_started = time.monotonic()
             yield step
             if self.committed_step == step:
@@ -157,6 +159,7 @@ class Session:
         result: torch.futures.Future = torch.futures.Future()
         with self._cond:  # issue and register in one step, so a new plan cannot slip between them
             abandoned = self._poisoned
+            epoch = self._epoch
             if abandoned:
                 self._step_failed = True
             else:
@@ -170,7 +173,7 @@ class Session:
             try:
                 fut.value()
             except Exception:
-                self._fail_step()
+                self._fail_step(epoch)
             self._complete({result})
 
         work.get_future().add_done_callback(finished)
@@ -184,9 +187,11 @@ class Session:
         for fut, buffer in mine.items():
             fut.set_result(buffer)
 
-    def _fail_step(self) -> None:
+    def _fail_step(self, epoch: int | None = None) -> None:
+        """Mark the current step failed; a late failure of an earlier step's collective (``epoch``) is ignored."""
         with self._cond:
-            self._step_failed = True
+            if epoch is None or epoch == self._epoch:
+                self._step_failed = True
             self._cond.notify_all()
 
     def _issue(self, start: Callable[[], dist.Work]) -> dist.Work:
@@ -280,6 +285,7 @@ class Session:
                 self._considered = plan.gen
                 if plan.rank_of(self.uid) is not None:
                     self._poisoned = self._step_failed = False
+                    self._epoch += 1  # late failures of the abandoned step's collectives no longer count
                     return plan, self._plan_received
                 if not self.spare:
                     raise RuntimeError(f"ftrun: worker {self.uid} was left out of generation {plan.gen}")
@@ -294,23 +300,20 @@ class Session:
         return best, values.index(best), [r for r, v in enumerate(values) if v < best]
 
     def _transfer(self, best: int, source: int, behind: list[int], deadline: float) -> None:
-        """The source rank sends its protected state to every rank behind it, point to point."""
+        """The source rank broadcasts its protected state; the ranks behind it load it, the others drop it.
+
+        A broadcast rather than point-to-point sends: Gloo's send/recv work has no future, so it could
+        not be abandoned when a newer generation arrives mid-transfer.
+        """
         if not behind:
             return
-        if self.rank == source:
-            payload = pack(self.protected, best)
-            size = torch.tensor([payload.numel()], dtype=torch.int64)
-            works = []
-            for rank in behind:
-                works.append(self._issue(lambda r=rank: dist.isend(size, r)))
-                works.append(self._issue(lambda r=rank: dist.isend(payload, r)))
-            for work in works:
-                self._wait(work, deadline)
-        elif self.rank in behind:
-            size = torch.zeros(1, dtype=torch.int64)
-            self._wait(self._issue(lambda: dist.irecv(size, source)), deadline)
+        payload = pack(self.protected, best) if self.rank == source else torch.empty(0, dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        self._wait(self._issue(lambda: dist.broadcast(size, source, async_op=True)), deadline)
+        if self.rank != source:
             payload = torch.empty(int(size.item()), dtype=torch.uint8)
-            self._wait(self._issue(lambda: dist.irecv(payload, source)), deadline)
+        self._wait(self._issue(lambda: dist.broadcast(payload, source, async_op=True)), deadline)
+        if self.rank in behind:
             self.committed_step = unpack(payload, self.protected)
 
     def _rebuild_ddp(self) -> None:
