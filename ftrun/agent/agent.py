@@ -91,6 +91,10 @@ class Agent:
         store = None
         while True:
             self._start_group()
+            pids = " ".join(str(w.pid) for w in self.workers.values())
+            self.console.notice(f"ftrun: run {self.config.run_id}, attempt {self.restart_count}: "
+                                f"{len(self.workers)} workers (pids {pids}); events in {self.run_dir}/events.jsonl",
+                                style="dim")
             if store is None:
                 store = self.store_host.start()
             self.coordinator = Coordinator(self, store)

@@ -26,7 +26,8 @@ def why_not_in_place(members: Collection[int], adopted_api: Collection[int], sur
     """
     missing = [uid for uid in members if uid not in adopted_api]
     if missing:
-        return "the script does not use the ftrun worker API (ftrun.init), so it cannot recover in place"
+        return ("not every worker had joined through ftrun.init(): the script does not use the worker API, "
+                "or was still starting, so it cannot recover in place")
     if survivors == 0:
         return "no worker survived"
     if survivors + available_joiners < min_nproc:
