@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 import time
@@ -251,11 +252,11 @@ class Session:
             try:
                 t0 = time.time()
                 self.comm.form(plan, superseded)
-                self._rebuild_ddp()
                 t1 = time.time()
                 best, source, behind = self._agree(deadline)
                 t2 = time.time()
                 self._transfer(best, source, behind, deadline)
+                self._rebuild_ddp()  # after the transfer: every rank now holds the same state
                 t3 = time.time()
             except (Superseded, CollectiveFailed, dist.DistError) as exc:
                 if time.monotonic() > deadline:
@@ -319,11 +320,13 @@ class Session:
     def _rebuild_ddp(self) -> None:
         """Rebuild each DDP on the new default group; the user's model object stays the same.
 
-        DDP's reducer holds its process group; re-running its constructor binds the new group, builds
-        fresh buckets (no stale collective can write into them) and re-broadcasts the parameters.
+        DDP's reducer holds its process group; re-running its constructor binds the new group and builds
+        fresh buckets, so no collective of the abandoned group can write into them. The ranks already hold
+        the same state, so the constructor's parameter broadcast is skipped where DDP allows it.
         """
+        skip_sync = {"init_sync": False} if "init_sync" in inspect.signature(DistributedDataParallel).parameters else {}
         for model, kwargs in self._ddps:
-            DistributedDataParallel.__init__(model, model.module, **kwargs)
+            DistributedDataParallel.__init__(model, model.module, **{**kwargs, **skip_sync})
             model.register_comm_hook(None, self._allreduce_hook)
 
 

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# GPU check: NCCL through ftrun's recovery path on one GPU (form, abort, re-form), then the example under
+# ftrun on that GPU. Needs a GPU and `pip install -e '.[gpu]'`; prints what it measured.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python scripts/gpu_check.py
+ftrun --nproc-per-node 1 examples/train_ddp.py --steps 20 2>&1 | tail -3
