@@ -5,18 +5,18 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-import click
 import typer
+
+try:  # recent typer releases bundle their own copy of click (and no longer depend on click)
+    from typer._click import exceptions as click_exceptions
+except ImportError:
+    from click import exceptions as click_exceptions
 
 from ftrun.config import RecoveryConfig, build_config
 from ftrun.errors import EXIT_USAGE, UsageError
 
-try:  # recent typer releases bundle their own copy of click, with their own exception classes
-    from typer._click.exceptions import UsageError as _BundledClickUsageError
-except ImportError:
-    _BundledClickUsageError = click.UsageError
-_CLICK_USAGE_ERRORS = (click.UsageError, _BundledClickUsageError)
-_ABORTS = (click.exceptions.Abort, typer.Abort)
+
+_ABORTS = (typer.Abort, getattr(click_exceptions, "Abort", typer.Abort))
 
 app = typer.Typer(
     name="ftrun",
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     command = typer.main.get_command(app)
     try:
         code = command.main(args, prog_name="ftrun", standalone_mode=False)
-    except _CLICK_USAGE_ERRORS as exc:
+    except click_exceptions.UsageError as exc:
         if not exc.format_message():  # no arguments at all: the help was shown, nothing more to say
             sys.exit(EXIT_USAGE)
         hint = f" (see 'ftrun {exc.ctx.info_name if exc.ctx and exc.ctx.info_name != 'ftrun' else ''} --help')"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import io
 from typing import Any, Protocol
 
@@ -26,7 +27,8 @@ def pack(objects: dict[str, Stateful], step: int) -> torch.Tensor:
 def unpack(payload: torch.Tensor, objects: dict[str, Stateful]) -> int:
     """Load a peer's state into the protected objects; returns the step that state committed."""
     # The payload comes from a peer of the same job, which this worker already trusts with its gradients.
-    data = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)
+    raw = ctypes.string_at(payload.data_ptr(), payload.numel())  # no numpy: torch does not require it
+    data = torch.load(io.BytesIO(raw), weights_only=False)
     missing = set(objects) - set(data["state"])
     if missing:
         raise RuntimeError(f"ftrun: a peer sent no state for {sorted(missing)}: every rank must protect the same names")
