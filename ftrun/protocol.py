@@ -15,8 +15,10 @@ HELLO = "hello"  # the worker adopted the API: {uid, pid, spare}
 READY = "ready"  # a joiner (spare or respawned worker) waits to be placed: {uid}
 PROGRESS = "progress"  # a step committed: {gen, step, time, step_time}
 RECOVERED = "recovered"  # the worker finished recovery for a generation: {gen, step, timings}
+SAVED = "saved"  # the worker wrote its state for a group restart: {step}
 # agent -> worker
 PLAN = "plan"  # a new generation: Plan fields
+SAVE = "save"  # recovery failed: write your state to FTRUN_RUN_DIR/rescue before the group restart
 
 
 @dataclass(frozen=True)

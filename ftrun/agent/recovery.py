@@ -33,6 +33,19 @@ class Recovery:
     waiting_since: float | None = None  # below --min-nproc: waiting for joiners since
 
 
+@dataclass
+class Rescue:
+    """Before a group restart: the live workers write their last committed state, within a deadline."""
+
+    reason: str
+    deadline: float
+    waiting: set[int]
+    saved: dict[int, int] = field(default_factory=dict)  # uid -> committed step written
+
+
+RESCUE_TIMEOUT = 10.0
+
+
 class Coordinator:
     """Decides, for each fault, between in-place recovery and a group restart, and runs the former.
 
@@ -52,7 +65,7 @@ class Coordinator:
         self.finished: set[int] = set()
         self.last_step: dict[int, int] = {}
         self.recovery: Recovery | None = None
-        self.fallback: str | None = None
+        self.rescue: Rescue | None = None
 
     # --------------------------------------------------------------- inputs
     def on_message(self, worker: Worker, message: dict[str, Any]) -> None:
@@ -66,6 +79,9 @@ class Coordinator:
             self._place_joiners()
         elif kind == protocol.RECOVERED and self.recovery and message["gen"] == self.recovery.gen:
             self.recovery.reports[uid] = message
+        elif kind == protocol.SAVED and self.rescue is not None:
+            self.rescue.waiting.discard(uid)
+            self.rescue.saved[uid] = message["step"]
         elif kind == protocol.PROGRESS:
             self.last_step[uid] = message["step"]
             if self.recovery and message["gen"] == self.recovery.gen:
@@ -82,6 +98,8 @@ class Coordinator:
         uid = worker.uid
         if not self.config.enabled:
             return False
+        if self.rescue is not None:
+            return True  # the group restarts as soon as the survivors' state is saved
         if uid in self.ready or uid not in self.plan.members:
             if uid in self.ready:
                 self.ready.remove(uid)
@@ -92,7 +110,10 @@ class Coordinator:
             1 if self.config.respawn else 0), self.config.min_nproc)
         if reason is not None:
             self.agent.events.write("recovery_refused", uid=uid, reason=reason)
-            return False
+            if not all(m in self.adopted for m in self.plan.members):
+                return False
+            self._give_up(reason)  # the survivors hold good state: save it, then restart the group
+            return True
         if self.recovery is None:
             self.recovery = Recovery("fault", failure.when, self.plan, max(self.last_step.values(), default=-1))
         before = self.recovery.before
@@ -112,16 +133,18 @@ class Coordinator:
 
     def tick(self, now: float) -> str | None:
         """Called every monitor interval: the reason to fall back to a group restart, or None."""
+        wall = time.time()
+        if self.rescue is not None:
+            return self._rescued(wall)
         recovery = self.recovery
         if recovery is None:
             return None
-        wall = time.time()
         if recovery.waiting_since is not None and wall - recovery.waiting_since > self.config.join_timeout:
-            return self._give_up(f"no joiner came within --join-timeout {self.config.join_timeout:.0f} s "
-                                 f"to reach --min-nproc {self.config.min_nproc}")
-        if recovery.waiting_since is None and wall - recovery.started > self.config.recovery_timeout:
-            return self._give_up(f"in-place recovery did not finish within --recovery-timeout "
-                                 f"{self.config.recovery_timeout:.0f} s")
+            self._give_up(f"no joiner came within --join-timeout {self.config.join_timeout:.0f} s "
+                          f"to reach --min-nproc {self.config.min_nproc}")
+        elif recovery.waiting_since is None and wall - recovery.started > self.config.recovery_timeout:
+            self._give_up(f"in-place recovery did not finish within --recovery-timeout "
+                          f"{self.config.recovery_timeout:.0f} s")
         return None
 
     def succeeded(self) -> bool:
@@ -155,10 +178,7 @@ class Coordinator:
         self.store.set(f"ftrun/a{self.agent.restart_count}/gen", str(plan.gen))
         data = (message + "\n").encode()
         for worker in self.agent.live_workers():
-            try:
-                worker.channel.sendall(data)
-            except OSError:
-                pass  # it is ending; its exit comes through the event loop
+            self._send(worker, data)
         self.agent.events.write("generation", gen=plan.gen, members=plan.members, reason=plan.reason,
                                 lost=plan.lost, joiners=plan.joiners, world_size=plan.world_size)
 
@@ -190,7 +210,30 @@ class Coordinator:
             f"{self.plan.world_size}, {lost_steps} steps lost", style="bold green")
         self._place_joiners()
 
-    def _give_up(self, reason: str) -> str:
+    def _give_up(self, reason: str) -> None:
+        """Fall back to a group restart, after the live workers have written their state (never lose it)."""
         self.agent.events.write("recovery_failed", reason=reason, gen=self.plan.gen)
         self.recovery = None
-        return reason
+        live = {w.uid for w in self.agent.live_workers() if w.uid in self.adopted}
+        self.rescue = Rescue(reason, time.time() + RESCUE_TIMEOUT, live)
+        for worker in self.agent.live_workers():
+            if worker.uid in live:
+                self._send(worker, protocol.encode(protocol.SAVE))
+
+    def _rescued(self, wall: float) -> str | None:
+        """The fallback reason once every live worker saved its state (or the deadline passed)."""
+        rescue = self.rescue
+        if rescue.waiting and wall < rescue.deadline:
+            return None
+        best = max(rescue.saved.values(), default=-1)
+        self.agent.events.write("rescue", saved=rescue.saved, best_step=best, missing=sorted(rescue.waiting))
+        if best < 0:
+            return rescue.reason
+        return f"{rescue.reason}; the state of step {best} was saved for the restart"
+
+    @staticmethod
+    def _send(worker: Worker, data: bytes) -> None:
+        try:
+            worker.channel.sendall(data)
+        except OSError:
+            pass  # it is ending; its exit comes through the event loop

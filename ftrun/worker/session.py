@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,7 +20,7 @@ from ftrun import protocol
 from ftrun.protocol import Plan
 from ftrun.worker.channel import AgentChannel
 from ftrun.worker.group import Communicator, Superseded
-from ftrun.worker.state import Stateful, pack, unpack
+from ftrun.worker.state import Stateful, load_rescue, pack, save_rescue, unpack
 
 
 class CollectiveFailed(Exception):
@@ -44,6 +46,7 @@ class Session:
         self.gen = 0
         self._ddps: list[tuple[DistributedDataParallel, dict[str, Any]]] = []
         self._cond = threading.Condition()
+        self._state_lock = threading.Lock()  # held while the optimizer steps: a rescue never sees half a step
         self._latest: Plan | None = None
         self._poisoned = False  # a newer plan arrived: nothing more may be issued on this generation
         self._step_failed = False
@@ -110,6 +113,8 @@ class Session:
         if self.spare:
             self.channel.send(protocol.READY, uid=self.uid)
             self._recover()
+        else:
+            self._restore_rescue()
         step = self.committed_step + 1
         while step < total:
             if self._needs_recovery():
@@ -145,9 +150,10 @@ class Session:
         if not ok:
             optimizer.zero_grad(set_to_none=True)
             return None
-        optimizer.step()
+        with self._state_lock:
+            optimizer.step()
+            self.committed_step = self._step
         optimizer.zero_grad(set_to_none=True)
-        self.committed_step = self._step
         if self.channel is not None:
             self.channel.send(protocol.PROGRESS, gen=self.gen, step=self._step, time=time.time(),
                               step_time=time.monotonic() - self._step_started)
@@ -223,6 +229,8 @@ class Session:
     # -------------------------------------------------------------- watcher
     def _on_message(self, message: dict[str, Any]) -> None:
         """Runs on the channel thread: a new plan poisons the current generation and frees a blocked step."""
+        if message.get("t") == protocol.SAVE:
+            self._save_rescue()
         if message.get("t") != protocol.PLAN:
             return
         plan = Plan.from_message(message)
@@ -236,6 +244,27 @@ class Session:
             self._cond.notify_all()
         self.comm.abort()
         self._complete(pending)
+
+    def _save_rescue(self) -> None:
+        """The agent gave up recovering in place: keep this worker's last committed state for the restart."""
+        with self._state_lock:
+            step = self.committed_step
+            save_rescue(self.protected, step, self._rescue_dir / f"{self.uid}.pt")
+        self.channel.send(protocol.SAVED, step=step)
+
+    def _restore_rescue(self) -> None:
+        """After a group restart, start from the best state the previous attempt rescued, if any."""
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" and self._rescue_dir.is_dir():
+            restored = load_rescue(self._rescue_dir, self.protected)
+            if restored is not None:
+                self.committed_step = restored
+                if self.rank == 0:
+                    print(f"ftrun: resuming from the state of step {restored} rescued before the restart",
+                          file=sys.stderr, flush=True)
+
+    @property
+    def _rescue_dir(self) -> Path:
+        return Path(os.environ["FTRUN_RUN_DIR"]) / "rescue"
 
     def _needs_recovery(self) -> bool:
         with self._cond:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ctypes
 import io
+import os
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -17,18 +19,42 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> Any: ...
 
 
+def _snapshot(objects: dict[str, Stateful], step: int) -> dict[str, Any]:
+    return {"step": step, "state": {name: obj.state_dict() for name, obj in objects.items()}}
+
+
 def pack(objects: dict[str, Stateful], step: int) -> torch.Tensor:
     """Serialise every protected object's state and the committed step into one uint8 tensor."""
     buffer = io.BytesIO()
-    torch.save({"step": step, "state": {name: obj.state_dict() for name, obj in objects.items()}}, buffer)
+    torch.save(_snapshot(objects, step), buffer)
     return torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
 
 
 def unpack(payload: torch.Tensor, objects: dict[str, Stateful]) -> int:
     """Load a peer's state into the protected objects; returns the step that state committed."""
-    # The payload comes from a peer of the same job, which this worker already trusts with its gradients.
     raw = ctypes.string_at(payload.data_ptr(), payload.numel())  # no numpy: torch does not require it
-    data = torch.load(io.BytesIO(raw), weights_only=False)
+    return _load(torch.load(io.BytesIO(raw), weights_only=False), objects)  # from a peer of this job
+
+
+def save_rescue(objects: dict[str, Stateful], step: int, path: Path) -> None:
+    """Write the state of ``step`` to ``path`` atomically: kept for a group restart after a failed recovery."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    torch.save(_snapshot(objects, step), partial)
+    os.replace(partial, path)
+
+
+def load_rescue(directory: Path, objects: dict[str, Stateful]) -> int | None:
+    """Load the rescued state with the highest committed step in ``directory``; its step, or None."""
+    best: tuple[int, dict[str, Any]] | None = None
+    for path in directory.glob("*.pt"):
+        data = torch.load(path, weights_only=False)  # written by this run's own workers
+        if best is None or data["step"] > best[0]:
+            best = (data["step"], data)
+    return None if best is None or best[0] < 0 else _load(best[1], objects)
+
+
+def _load(data: dict[str, Any], objects: dict[str, Stateful]) -> int:
     missing = set(objects) - set(data["state"])
     if missing:
         raise RuntimeError(f"ftrun: a peer sent no state for {sorted(missing)}: every rank must protect the same names")

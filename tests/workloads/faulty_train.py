@@ -3,7 +3,8 @@
 FAULTS (environment) is a comma list of KIND:STEP:UID, where UID is the worker's FTRUN_UID (its initial
 rank): kill (SIGKILL itself before the step), exception (raise in the step), allreduce (SIGKILL itself
 inside the gradient all-reduce: after the first bucket's all-reduce has started on every rank),
-recovery (SIGKILL itself while re-forming the group after the first fault).
+recovery (SIGKILL itself while re-forming the group after the first fault). Faults are planted in the
+first attempt only, so a group restart runs clean.
 Every rank prints `commit uid=<uid> step=<n> loss=<float>` for each committed step.
 """
 
@@ -21,7 +22,8 @@ import train_ddp  # noqa: E402
 from ftrun.worker import group  # noqa: E402
 
 UID = int(os.environ.get("FTRUN_UID", os.environ.get("RANK", "0")))
-FAULTS = [f.split(":") for f in os.environ.get("FAULTS", "").split(",") if f]
+FIRST_ATTEMPT = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+FAULTS = [f.split(":") for f in os.environ.get("FAULTS", "").split(",") if f] if FIRST_ATTEMPT else []
 
 
 def die() -> None:
