@@ -112,6 +112,9 @@ def run(
                                            help="Seconds an in-place recovery may take before a group restart."),
     join_timeout: float = typer.Option(60.0, "--join-timeout",
                                        help="Seconds to wait for joiners when below --min-nproc."),
+    hang_timeout: Optional[float] = typer.Option(
+        None, "--hang-timeout",
+        help="Seconds without progress before a rank is declared hung (default: adaptive, 10x the median step)."),
 ) -> None:
     """Launch SCRIPT on this node as torchrun would, recovering in place from worker faults."""
     config = build_config(
@@ -128,7 +131,8 @@ def run(
                      "--duplicate-stderr-filters": duplicate_stderr_filters,
                      f"--event-log-handler {event_log_handler}": event_log_handler != "null"},
         recovery=RecoveryConfig(enabled=not no_recovery, respawn=respawn, spares=spares, min_nproc=min_nproc,
-                                recovery_timeout=recovery_timeout, join_timeout=join_timeout),
+                                recovery_timeout=recovery_timeout, join_timeout=join_timeout,
+                                hang_timeout=hang_timeout),
     )
     from ftrun.launch import launch
 

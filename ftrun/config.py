@@ -122,6 +122,7 @@ class RecoveryConfig:
     min_nproc: int = 1
     recovery_timeout: float = 30.0
     join_timeout: float = 60.0
+    hang_timeout: float | None = None  # None: adaptive (see ftrun.health.hangs)
 
 
 @dataclass
@@ -273,6 +274,8 @@ def build_config(
     log_path = _writable_log_dir(log_dir) if log_dir else None
     if recovery.spares < 0:
         raise UsageError("--spares must be 0 or more")
+    if recovery.hang_timeout is not None and recovery.hang_timeout <= 0:
+        raise UsageError("--hang-timeout must be a positive number of seconds")
     if not 1 <= recovery.min_nproc <= nproc:
         raise UsageError(f"--min-nproc {recovery.min_nproc} must be between 1 and the number of workers ({nproc})")
     return LaunchConfig(

@@ -7,13 +7,21 @@ This module is shared by both sides, so it imports neither.
 from __future__ import annotations
 
 import json
+import signal
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+STACK_DUMP_SIGNAL = signal.SIGRTMIN + 5
+"""Sent by the agent to a hung worker, which dumps every thread's Python stack to stderr (faulthandler).
+
+A real-time signal, so that SIGUSR1/SIGUSR2, which schedulers use for preemption notices, stay the user's.
+"""
 
 # worker -> agent
 HELLO = "hello"  # the worker adopted the API: {uid, pid, spare}
 READY = "ready"  # a joiner (spare or respawned worker) waits to be placed: {uid}
 PROGRESS = "progress"  # a step committed: {gen, step, time, step_time}
+ENTERED = "entered"  # the first collective of a step started: {step}
 RECOVERED = "recovered"  # the worker finished recovery for a generation: {gen, step, timings}
 SAVED = "saved"  # the worker wrote its state for a group restart: {step}
 # agent -> worker

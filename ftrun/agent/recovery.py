@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from ftrun import protocol
 from ftrun.agent.planning import next_plan, why_not_in_place
+from ftrun.agent.watchdog import HangWatchdog
+from ftrun.health.hangs import HangPolicy
 from ftrun.protocol import Plan
 
 if TYPE_CHECKING:
@@ -66,6 +68,7 @@ class Coordinator:
         self.last_step: dict[int, int] = {}
         self.recovery: Recovery | None = None
         self.rescue: Rescue | None = None
+        self.watchdog = HangWatchdog(agent, HangPolicy(fixed=self.config.hang_timeout))
 
     # --------------------------------------------------------------- inputs
     def on_message(self, worker: Worker, message: dict[str, Any]) -> None:
@@ -73,6 +76,9 @@ class Coordinator:
         uid, kind = worker.uid, message.get("t")
         if kind == protocol.HELLO:
             self.adopted.add(uid)
+            self.watchdog.started(uid)
+        elif kind == protocol.ENTERED:
+            self.watchdog.entered(uid, message["step"])
         elif kind == protocol.READY:
             self.ready.append(uid)
             self.agent.events.write("joiner_ready", uid=uid, pid=worker.pid)
@@ -84,6 +90,7 @@ class Coordinator:
             self.rescue.saved[uid] = message["step"]
         elif kind == protocol.PROGRESS:
             self.last_step[uid] = message["step"]
+            self.watchdog.committed(uid, message["step_time"])
             if self.recovery and message["gen"] == self.recovery.gen:
                 self._recovered(message)
 
@@ -134,10 +141,14 @@ class Coordinator:
     def tick(self, now: float) -> str | None:
         """Called every monitor interval: the reason to fall back to a group restart, or None."""
         wall = time.time()
+        self.watchdog.kill_due()
         if self.rescue is not None:
             return self._rescued(wall)
         recovery = self.recovery
         if recovery is None:
+            stuck = self.watchdog.check([m for m in self.plan.members if m not in self.finished])
+            if stuck:
+                self._give_up(stuck)
             return None
         if recovery.waiting_since is not None and wall - recovery.waiting_since > self.config.join_timeout:
             self._give_up(f"no joiner came within --join-timeout {self.config.join_timeout:.0f} s "
@@ -205,6 +216,7 @@ class Coordinator:
             what = f"loss of rank{'s' if len(recovery.lost_ranks) > 1 else ''} {lost}"
         else:
             what = f"joiner{'s' if len(self.plan.joiners) > 1 else ''} arriving"
+        self.watchdog.restart_clocks(self.plan.members)
         self.agent.console.notice(
             f"ftrun: recovered from {what} in {total:.2f} s: world {recovery.before.world_size} -> "
             f"{self.plan.world_size}, {lost_steps} steps lost", style="bold green")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import inspect
 import os
 import sys
@@ -55,6 +56,7 @@ class Session:
         self._plan_received = time.time()
         self._step = 0
         self._epoch = 0  # steps and recoveries started: a late collective failure only fails its own epoch
+        self._entered_epoch = -1  # the epoch whose first collective was reported to the agent
         self._step_started = 0.0
         self._recovery_timings: dict[str, float] | None = None
         if not self.managed:
@@ -66,6 +68,7 @@ class Session:
         self.comm = Communicator(self.store, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), self.uid,
                                  self.backend, timeout)
         self.channel = AgentChannel(int(os.environ["FTRUN_CHANNEL_FD"]), self._on_message)
+        faulthandler.register(protocol.STACK_DUMP_SIGNAL, all_threads=True)  # the agent's hang watchdog asks
         first = None if self.spare else Plan(0, list(range(int(os.environ["WORLD_SIZE"]))))
         with self._cond:
             self._latest = self._latest or first or Plan(-1, [])
@@ -167,6 +170,7 @@ class Session:
         with self._cond:  # issue and register in one step, so a new plan cannot slip between them
             abandoned = self._poisoned
             epoch = self._epoch
+            first_of_step, self._entered_epoch = self._entered_epoch != epoch, epoch
             if abandoned:
                 self._step_failed = True
             else:
@@ -175,6 +179,8 @@ class Session:
         if abandoned:
             result.set_result(buffer)
             return result
+        if first_of_step and self.channel is not None:
+            self.channel.send(protocol.ENTERED, step=self._step)
 
         def finished(fut: torch.futures.Future) -> None:
             try:

@@ -1,0 +1,108 @@
+"""The agent's hang watchdog: notices a rank that stopped making progress, dumps its stacks, kills it.
+
+The kill turns a hang into the fault every other path already handles: the survivors recover in place.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import psutil
+
+from ftrun.health.hangs import HangPolicy, RankActivity, hang_timeout, hung_ranks
+from ftrun.protocol import STACK_DUMP_SIGNAL
+
+if TYPE_CHECKING:
+    from ftrun.agent.agent import Agent
+
+DUMP_GRACE = 1.0  # seconds between the stack dump request and the kill
+
+
+@dataclass
+class _Progress:
+    last: float  # time.monotonic() of the last progress message
+    committed: int = 0
+    entered_step: int = -1
+    step_times: deque[float] = field(default_factory=lambda: deque(maxlen=20))
+
+
+class HangWatchdog:
+    """Tracks each worker's progress and handles the ones that hang."""
+
+    def __init__(self, agent: Agent, policy: HangPolicy) -> None:
+        self.agent = agent
+        self.policy = policy
+        self.progress: dict[int, _Progress] = {}
+        self.killing: dict[int, float] = {}  # uid -> when to SIGKILL it (after its stack dump)
+
+    def started(self, uid: int) -> None:
+        """A worker joined through the API: its clock starts now."""
+        self.progress[uid] = _Progress(time.monotonic())
+
+    def committed(self, uid: int, step_time: float) -> None:
+        """A worker committed a step that took ``step_time`` seconds."""
+        p = self.progress.setdefault(uid, _Progress(time.monotonic()))
+        p.last, p.committed = time.monotonic(), p.committed + 1
+        p.step_times.append(step_time)
+
+    def entered(self, uid: int, step: int) -> None:
+        """A worker started the first collective of ``step``."""
+        p = self.progress.setdefault(uid, _Progress(time.monotonic()))
+        p.last, p.entered_step = time.monotonic(), step
+
+    def restart_clocks(self, uids: list[int]) -> None:
+        """After a recovery: time spent recovering is not time without progress."""
+        now = time.monotonic()
+        for uid in uids:
+            if uid in self.progress:
+                self.progress[uid].last = now
+
+    def kill_due(self) -> None:
+        """SIGKILL the hung workers whose stack dump had its time."""
+        now = time.monotonic()
+        for uid, when in list(self.killing.items()):
+            if now >= when:
+                del self.killing[uid]
+                self.agent.workers[uid].send_signal(signal.SIGKILL)
+
+    def check(self, members: list[int]) -> str | None:
+        """Start dumping and killing hung members (recovery follows their death); a reason if all are stuck."""
+        now = time.monotonic()
+        activity = {uid: self._activity(uid, now) for uid in members if uid in self.progress}
+        culprits, stuck = hung_ranks(activity)
+        for uid in culprits:
+            if uid not in self.killing:
+                self._dump_and_kill(uid, activity[uid], now)
+        if stuck and not self.killing:
+            longest = max(a.silent_for for a in activity.values())
+            return f"every rank has made no progress for {longest:.0f} s (a hang inside a collective)"
+        return None
+
+    def _activity(self, uid: int, now: float) -> RankActivity:
+        p = self.progress[uid]
+        return RankActivity(now - p.last, hang_timeout(self.policy, p.step_times, p.committed), p.entered_step,
+                            _is_stopped(self.agent.workers[uid].pid))
+
+    def _dump_and_kill(self, uid: int, activity: RankActivity, now: float) -> None:
+        worker = self.agent.workers[uid]
+        self.agent.events.write("hang", uid=uid, rank=worker.slot.rank, pid=worker.pid,
+                                silent_for=round(activity.silent_for, 3), timeout=round(activity.timeout, 3),
+                                stopped=activity.stopped)
+        self.agent.console.notice(
+            f"ftrun: rank {worker.slot.rank} (pid {worker.pid}) made no progress for {activity.silent_for:.1f} s "
+            f"(timeout {activity.timeout:.1f} s): dumping its stacks, then killing it", style="bold yellow")
+        if activity.stopped:
+            worker.send_signal(signal.SIGCONT)  # a stopped process cannot dump its stacks
+        worker.send_signal(STACK_DUMP_SIGNAL)
+        self.killing[uid] = now + DUMP_GRACE
+
+
+def _is_stopped(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_STOPPED
+    except psutil.Error:
+        return False
