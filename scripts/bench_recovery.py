@@ -1,0 +1,313 @@
+"""Compare recovering from a killed worker: torchrun + disk checkpoint vs ftrun in place; and per-step cost.
+
+Recovery drills (``--drills`` each, alternating; every drill is a separate run of 4 CPU workers with
+``--standalone --nproc-per-node 4 --max-restarts 3`` under both launchers) run
+scripts/bench_workloads/train_ckpt.py: examples/train_ddp.py's training through the ftrun worker API,
+which under torchrun also saves a checkpoint every ``--ckpt-every`` steps and resumes from it after a
+group restart. When the job's output shows step ``--kill-at`` committed, this process finds the worker
+with RANK=1 among the launcher's descendants (/proc/<pid>/environ), takes time.time() and sends it
+SIGKILL. Per drill:
+
+* recovery latency: from that time.time() to the ``t=`` (the worker's time.time()) of the first step
+  committed by the recovered job (a new attempt under torchrun, a smaller world under ftrun);
+* time to new progress: from the kill to the first committed step beyond the last one committed before;
+* steps recomputed: steps committed before the fault and committed again after it (torchrun: those
+  after the last checkpoint; ftrun: should be 0), and for ftrun its events.jsonl "recovery" event
+  (its own latency, from when it noticed the exit, and steps_lost).
+
+Steady state (``--overhead-runs`` runs of each, alternating, no faults, ``--overhead-steps`` steps):
+the median of the differences between consecutive steps' ``t=`` over steps 10..N-1 for train_ckpt.py
+(no checkpoints) under ftrun (the worker API's step protocol) and under torchrun (the API degraded to
+DDP with its summing hook), and for scripts/bench_workloads/plain_ddp.py under torchrun (stock DDP
+without ftrun, same model and batch).
+
+Output lines are read as they arrive; a run is stopped (SIGTERM to the launcher, then SIGKILL to any
+of its descendants left) once its measurement is taken. Medians, ratios and the targets are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import re
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ROOT / "scripts" / "bench_workloads" / "train_ckpt.py"
+PLAIN = ROOT / "scripts" / "bench_workloads" / "plain_ddp.py"
+LAUNCHERS = {
+    "torchrun": [sys.executable, "-m", "torch.distributed.run"],
+    "ftrun": [sys.executable, "-m", "ftrun"],
+}
+WORLD = 4
+LAUNCH_FLAGS = ["--standalone", "--nproc-per-node", str(WORLD), "--max-restarts", "3"]
+TRAIN_LINE = re.compile(r"\bstep=(\d+) loss=\S+ t=([\d.]+) world=(\d+) attempt=(\d+)")
+ANY_STEP = re.compile(r"\bstep=(\d+)\b.*\bt=([\d.]+)")
+TARGET_LATENCY, TARGET_SPEEDUP, TARGET_OVERHEAD = 0.5, 20.0, 0.03
+
+
+def parse_args() -> argparse.Namespace:
+    """The benchmark's flags."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--drills", type=int, default=3, help="Recovery drills per launcher (default 3).")
+    parser.add_argument("--ckpt-every", type=int, default=20, help="torchrun checkpoint interval in steps (20).")
+    parser.add_argument("--kill-at", type=int, default=30, help="Kill RANK 1 once this step is committed (30).")
+    parser.add_argument("--overhead-steps", type=int, default=150, help="Steps per steady-state run (150).")
+    parser.add_argument("--overhead-runs", type=int, default=2, help="Steady-state runs per configuration (2).")
+    parser.add_argument("--timeout", type=float, default=180.0, help="Seconds one run may take (180).")
+    return parser.parse_args()
+
+
+# ------------------------------------------------------------------ running a launcher
+@dataclass
+class Run:
+    """One launcher process, its output lines arriving on a queue (None once it is closed)."""
+
+    proc: subprocess.Popen[str]
+    started: float
+    lines: queue.Queue[str | None] = field(default_factory=queue.Queue)
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=30))
+
+
+def start(command: list[str]) -> Run:
+    """Start ``command`` and a thread that queues each of its output lines as it arrives."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FTRUN_", "TORCHELASTIC_"))}
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                            env=env, cwd=ROOT)
+    run = Run(proc, time.monotonic())
+
+    def read() -> None:
+        for line in proc.stdout:
+            run.lines.put(line.rstrip("\n"))
+        run.lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    return run
+
+
+def lines(run: Run, timeout: float) -> Iterator[str]:
+    """The run's output lines until it closes its output; raises if ``timeout`` passes first."""
+    deadline = run.started + timeout
+    while True:
+        try:
+            line = run.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise RuntimeError(f"no result within {timeout:.0f} s; last output:\n" + "\n".join(run.tail)) from None
+        if line is None:
+            return
+        run.tail.append(line)
+        yield line
+
+
+def ended(run: Run) -> RuntimeError:
+    """The error for a launcher that ended before its measurement was taken."""
+    return RuntimeError(f"the launcher ended (exit {run.proc.wait()}) before the measurement; last output:\n"
+                        + "\n".join(run.tail))
+
+
+def stop(run: Run) -> None:
+    """SIGTERM the launcher (it stops its workers); SIGKILL it and any descendant still alive after 15 s."""
+    try:
+        family = psutil.Process(run.proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        family = []
+    run.proc.terminate()
+    try:
+        run.proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        run.proc.kill()
+        run.proc.wait()
+    _, alive = psutil.wait_procs(family, timeout=5)
+    for process in alive:
+        process.kill()
+
+
+# ------------------------------------------------------------------ recovery drills
+@dataclass
+class Drill:
+    """What one drill measured."""
+
+    launcher: str
+    killed_after: int  # the committed step whose line triggered the kill
+    last_before: int  # highest step committed by the job before recovery
+    resumed_at: int  # first step committed after recovery
+    latency: float  # kill -> first step committed after recovery
+    progress: float  # kill -> first step beyond last_before
+    event: dict[str, Any] | None  # ftrun's "recovery" event
+
+    @property
+    def recomputed(self) -> int:
+        """Steps committed before the fault and again after it."""
+        return max(0, self.last_before - self.resumed_at + 1)
+
+
+def victim(launcher_pid: int) -> psutil.Process:
+    """The launcher's worker with RANK=1 (the launcher's descendants running train_ckpt.py)."""
+    for process in psutil.Process(launcher_pid).children(recursive=True):
+        try:
+            if process.environ().get("RANK") == "1" and TRAIN.name in " ".join(process.cmdline()):
+                return process
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    raise RuntimeError("no worker with RANK=1 found")
+
+
+def recovery_event(run_dir: Path, timeout: float = 10.0) -> dict[str, Any]:
+    """ftrun's "recovery" event from <run dir>/events.jsonl, waiting for it to be written."""
+    deadline = time.monotonic() + timeout
+    path = run_dir / "events.jsonl"
+    while time.monotonic() < deadline:
+        if path.exists():
+            events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            found = [e for e in events if e["event"] == "recovery"]
+            if found:
+                return found[0]
+        time.sleep(0.05)
+    raise RuntimeError(f"no recovery event in {path} within {timeout:.0f} s")
+
+
+def drill(launcher: str, args: argparse.Namespace) -> Drill:
+    """One run: kill RANK 1 after step --kill-at, follow the job until it makes new progress."""
+    with tempfile.TemporaryDirectory(prefix="bench_recovery_") as ckpt_dir:
+        run = start([*LAUNCHERS[launcher], *LAUNCH_FLAGS, str(TRAIN), "--steps", "100000",
+                     "--ckpt-every", str(args.ckpt_every), "--ckpt-dir", ckpt_dir])
+        try:
+            return follow(run, launcher, args)
+        finally:
+            stop(run)
+
+
+def follow(run: Run, launcher: str, args: argparse.Namespace) -> Drill:
+    """Read the drill's output: kill at the target step, then time the recovery from the step lines."""
+    killed_at = killed_after = last_before = -1
+    resumed: tuple[int, float] | None = None
+    run_dir: str | None = None
+    for line in lines(run, args.timeout):
+        match = TRAIN_LINE.search(line)
+        if not match:
+            continue
+        step, stamp, world, attempt = int(match[1]), float(match[2]), int(match[3]), int(match[4])
+        recovered = world < WORLD or attempt > 0
+        if killed_at < 0 and step >= args.kill_at:
+            worker = victim(run.proc.pid)
+            run_dir = worker.environ().get("FTRUN_RUN_DIR")
+            killed_at, killed_after = time.time(), step
+            os.kill(worker.pid, signal.SIGKILL)
+        if not recovered:
+            last_before = max(last_before, step)
+            continue
+        if resumed is None:
+            resumed = (step, stamp - killed_at)
+        if step > last_before:
+            event = recovery_event(Path(run_dir)) if run_dir else None
+            return Drill(launcher, killed_after, last_before, resumed[0], resumed[1], stamp - killed_at, event)
+    raise ended(run)
+
+
+# ------------------------------------------------------------------ steady state
+OVERHEAD_CONFIGS = {
+    "plain DDP under torchrun (plain_ddp.py)": ("torchrun", PLAIN, []),
+    "worker API degraded to DDP, torchrun (train_ckpt.py)": ("torchrun", TRAIN, ["--ckpt-every", "0"]),
+    "worker API under ftrun (train_ckpt.py)": ("ftrun", TRAIN, ["--ckpt-every", "0"]),
+}
+
+
+def step_times(launcher: str, script: Path, extra: list[str], steps: int, timeout: float) -> list[float]:
+    """Durations of steps 11..steps-1 (consecutive ``t=`` differences) of one fault-free run."""
+    run = start([*LAUNCHERS[launcher], *LAUNCH_FLAGS, str(script), "--steps", str(steps), *extra])
+    stamps: dict[int, float] = {}
+    try:
+        for line in lines(run, timeout):
+            match = ANY_STEP.search(line)
+            if match:
+                stamps[int(match[1])] = float(match[2])
+            if steps - 1 in stamps:
+                return [stamps[s] - stamps[s - 1] for s in range(11, steps)]
+        raise ended(run)
+    finally:
+        stop(run)
+
+
+# ------------------------------------------------------------------ report
+def print_drills(drills: list[Drill]) -> None:
+    """One line per drill."""
+    print(f"\n{'launcher':9s} {'killed after':>12s} {'last before':>11s} {'resumed at':>10s} {'recomputed':>10s} "
+          f"{'kill->next step':>15s} {'kill->new step':>14s}  ftrun event (latency, steps_lost)")
+    for d in drills:
+        event = f"{d.event['latency']:.3f} s, {d.event['steps_lost']}" if d.event else "-"
+        print(f"{d.launcher:9s} {d.killed_after:12d} {d.last_before:11d} {d.resumed_at:10d} {d.recomputed:10d} "
+              f"{d.latency:13.3f} s {d.progress:12.3f} s  {event}")
+
+
+def print_summary(drills: list[Drill], overhead: dict[str, list[float]], args: argparse.Namespace) -> None:
+    """Medians, ratios and the targets."""
+    by = {name: [d for d in drills if d.launcher == name] for name in LAUNCHERS}
+    latency = {name: statistics.median(d.latency for d in ds) for name, ds in by.items()}
+    progress = {name: statistics.median(d.progress for d in ds) for name, ds in by.items()}
+    recomputed = {name: statistics.median(d.recomputed for d in ds) for name, ds in by.items()}
+    print(f"\n{'median over ' + str(args.drills) + ' drills':40s} {'torchrun':>10s} {'ftrun':>10s} "
+          f"{'ftrun/torchrun':>15s}")
+    for label, values in (("recovery latency: kill -> next step (s)", latency),
+                          ("kill -> first new step (s)", progress)):
+        print(f"{label:40s} {values['torchrun']:10.3f} {values['ftrun']:10.3f} "
+              f"{values['ftrun'] / values['torchrun']:15.4f}")
+    print(f"{'steps recomputed':40s} {recomputed['torchrun']:10g} {recomputed['ftrun']:10g}")
+    plain = statistics.median(overhead[next(iter(OVERHEAD_CONFIGS))])
+    print(f"\n{'steady state, median step time, steps 10..' + str(args.overhead_steps - 1):55s} {'ms':>8s} "
+          f"{'vs plain DDP':>13s}")
+    for label, times in overhead.items():
+        median = statistics.median(times)
+        print(f"{label:55s} {median * 1000:8.2f} {median / plain:13.3f}")
+    ft_drills = by["ftrun"]
+    lost = [d.recomputed for d in ft_drills] + [d.event["steps_lost"] for d in ft_drills if d.event]
+    overhead_ratio = statistics.median(overhead[list(OVERHEAD_CONFIGS)[-1]]) / plain - 1
+    print("\ntargets:")
+    for label, ok in ((f"ftrun median recovery < {TARGET_LATENCY} s ({latency['ftrun']:.3f} s)",
+                       latency["ftrun"] < TARGET_LATENCY),
+                      (f"at least {TARGET_SPEEDUP:g}x faster than torchrun "
+                       f"({latency['torchrun'] / latency['ftrun']:.1f}x)",
+                       latency["torchrun"] / latency["ftrun"] >= TARGET_SPEEDUP),
+                      (f"0 steps lost in every ftrun drill (output and events: {lost})", not any(lost)),
+                      (f"per-step overhead < {TARGET_OVERHEAD:.0%} vs plain DDP ({overhead_ratio:+.1%})",
+                       overhead_ratio < TARGET_OVERHEAD)):
+        print(f"  {'PASS' if ok else 'FAIL'}  {label}")
+    print(f"\ncommand: python {shlex.join(sys.argv)}")
+
+
+def main() -> None:
+    args = parse_args()
+    print(f"{WORLD} workers, kill RANK 1 after step {args.kill_at}, torchrun checkpoint every {args.ckpt_every} "
+          f"steps ({os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f})", flush=True)
+    drills = []
+    for number in range(args.drills):
+        for launcher in LAUNCHERS:
+            drills.append(drill(launcher, args))
+            print(f"  drill {number + 1}/{args.drills} {launcher:8s} recovered in {drills[-1].latency:.3f} s, "
+                  f"{drills[-1].recomputed} steps recomputed", flush=True)
+    overhead: dict[str, list[float]] = {label: [] for label in OVERHEAD_CONFIGS}
+    for number in range(args.overhead_runs):
+        for label, (launcher, script, extra) in OVERHEAD_CONFIGS.items():
+            overhead[label] += step_times(launcher, script, extra, args.overhead_steps, args.timeout)
+            print(f"  steady state {number + 1}/{args.overhead_runs}: {label}", flush=True)
+    print_drills(drills)
+    print_summary(drills, overhead, args)
+
+
+if __name__ == "__main__":
+    main()
