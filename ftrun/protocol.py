@@ -22,6 +22,7 @@ HELLO = "hello"  # the worker adopted the API: {uid, pid, spare}
 READY = "ready"  # a joiner (spare or respawned worker) waits to be placed: {uid}
 PROGRESS = "progress"  # a step committed: {gen, step, time, step_time}
 ENTERED = "entered"  # the first collective of a step started: {step}
+FINISHED = "finished"  # the worker left the step loop: no more progress is to be expected
 RECOVERED = "recovered"  # the worker finished recovery for a generation: {gen, step, timings}
 SAVED = "saved"  # the worker wrote its state for a group restart: {step}
 # agent -> worker

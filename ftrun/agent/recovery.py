@@ -79,6 +79,8 @@ class Coordinator:
             self.watchdog.started(uid)
         elif kind == protocol.ENTERED:
             self.watchdog.entered(uid, message["step"])
+        elif kind == protocol.FINISHED:
+            self.watchdog.finished(uid)
         elif kind == protocol.READY:
             self.ready.append(uid)
             self.agent.events.write("joiner_ready", uid=uid, pid=worker.pid)
@@ -90,7 +92,7 @@ class Coordinator:
             self.rescue.saved[uid] = message["step"]
         elif kind == protocol.PROGRESS:
             self.last_step[uid] = message["step"]
-            self.watchdog.committed(uid, message["step_time"])
+            self.watchdog.committed(uid, message["step"], message["step_time"])
             if self.recovery and message["gen"] == self.recovery.gen:
                 self._recovered(message)
 

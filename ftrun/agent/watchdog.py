@@ -19,13 +19,14 @@ from ftrun.protocol import STACK_DUMP_SIGNAL
 if TYPE_CHECKING:
     from ftrun.agent.agent import Agent
 
-DUMP_GRACE = 1.0  # seconds between the stack dump request and the kill
+DUMP_GRACE = 0.5  # seconds between the stack dump request and the kill
 
 
 @dataclass
 class _Progress:
     last: float  # time.monotonic() of the last progress message
     committed: int = 0
+    committed_step: int = -1
     entered_step: int = -1
     step_times: deque[float] = field(default_factory=lambda: deque(maxlen=20))
 
@@ -43,16 +44,20 @@ class HangWatchdog:
         """A worker joined through the API: its clock starts now."""
         self.progress[uid] = _Progress(time.monotonic())
 
-    def committed(self, uid: int, step_time: float) -> None:
-        """A worker committed a step that took ``step_time`` seconds."""
+    def committed(self, uid: int, step: int, step_time: float) -> None:
+        """A worker committed ``step``, which took ``step_time`` seconds."""
         p = self.progress.setdefault(uid, _Progress(time.monotonic()))
-        p.last, p.committed = time.monotonic(), p.committed + 1
+        p.last, p.committed, p.committed_step = time.monotonic(), p.committed + 1, step
         p.step_times.append(step_time)
 
     def entered(self, uid: int, step: int) -> None:
         """A worker started the first collective of ``step``."""
         p = self.progress.setdefault(uid, _Progress(time.monotonic()))
         p.last, p.entered_step = time.monotonic(), step
+
+    def finished(self, uid: int) -> None:
+        """A worker left its step loop: it is no longer expected to make progress."""
+        self.progress.pop(uid, None)
 
     def restart_clocks(self, uids: list[int]) -> None:
         """After a recovery: time spent recovering is not time without progress."""
@@ -71,33 +76,34 @@ class HangWatchdog:
 
     def check(self, members: list[int]) -> str | None:
         """Start dumping and killing hung members (recovery follows their death); a reason if all are stuck."""
+        if self.killing:
+            return None  # judge again once the culprits are gone and the survivors have recovered
         now = time.monotonic()
         activity = {uid: self._activity(uid, now) for uid in members if uid in self.progress}
         culprits, stuck = hung_ranks(activity)
         for uid in culprits:
-            if uid not in self.killing:
-                self._dump_and_kill(uid, activity[uid], now)
-        if stuck and not self.killing:
+            self._dump_and_kill(uid, activity[uid], now)
+        if stuck:
             longest = max(a.silent_for for a in activity.values())
             return f"every rank has made no progress for {longest:.0f} s (a hang inside a collective)"
         return None
 
     def _activity(self, uid: int, now: float) -> RankActivity:
         p = self.progress[uid]
-        return RankActivity(now - p.last, hang_timeout(self.policy, p.step_times, p.committed), p.entered_step,
-                            _is_stopped(self.agent.workers[uid].pid))
+        return RankActivity(now - p.last, hang_timeout(self.policy, p.step_times, p.committed),
+                            p.entered_step > p.committed_step, _is_stopped(self.agent.workers[uid].pid))
 
     def _dump_and_kill(self, uid: int, activity: RankActivity, now: float) -> None:
         worker = self.agent.workers[uid]
         self.agent.events.write("hang", uid=uid, rank=worker.slot.rank, pid=worker.pid,
                                 silent_for=round(activity.silent_for, 3), timeout=round(activity.timeout, 3),
-                                stopped=activity.stopped)
+                                stopped=activity.stopped, in_collective=activity.in_collective)
         self.agent.console.notice(
             f"ftrun: rank {worker.slot.rank} (pid {worker.pid}) made no progress for {activity.silent_for:.1f} s "
             f"(timeout {activity.timeout:.1f} s): dumping its stacks, then killing it", style="bold yellow")
-        if activity.stopped:
-            worker.send_signal(signal.SIGCONT)  # a stopped process cannot dump its stacks
         worker.send_signal(STACK_DUMP_SIGNAL)
+        if activity.stopped:  # the dump runs first thing when it resumes; it must not train on for long
+            worker.send_signal(signal.SIGCONT)
         self.killing[uid] = now + DUMP_GRACE
 
 

@@ -46,24 +46,21 @@ def hang_timeout(policy: HangPolicy, recent_step_times: Sequence[float], steps_c
 
 @dataclass(frozen=True)
 class RankActivity:
-    """What the agent knows of one rank: when it last said anything, and how far it got."""
+    """What the agent knows of one rank: how long it has been silent, and where it went quiet."""
 
     silent_for: float  # seconds since its last progress message
     timeout: float  # its current hang timeout
-    entered_step: int  # the last step whose first collective it started
+    in_collective: bool  # it started the collectives of a step it has not committed: it waits on peers
     stopped: bool  # the process is stopped (SIGSTOP, a debugger)
 
 
 def hung_ranks(activity: Mapping[int, RankActivity]) -> tuple[list[int], bool]:
     """The ranks to treat as hung, and whether the whole group is stuck with no culprit to name.
 
-    A rank past its timeout is the culprit when its process is stopped, or when it never started the
-    collective of a step its peers already wait in; the peers blocked in that collective are victims.
-    If every rank is past its timeout and none stands out, the group as a whole is stuck.
+    A rank past its timeout is a culprit when its process is stopped, or when it went quiet outside any
+    collective (a hang in its own code): the peers blocked in a collective waiting for it are victims.
+    If every rank is past its timeout and each waits in a collective, the group as a whole is stuck.
     """
     silent = {rank: a for rank, a in activity.items() if a.silent_for > a.timeout}
-    if not silent:
-        return [], False
-    furthest = max(a.entered_step for a in activity.values())
-    culprits = sorted(r for r, a in silent.items() if a.stopped or a.entered_step < furthest)
-    return culprits, not culprits and len(silent) == len(activity)
+    culprits = sorted(rank for rank, a in silent.items() if a.stopped or not a.in_collective)
+    return culprits, bool(silent) and not culprits and len(silent) == len(activity)

@@ -133,6 +133,7 @@ class Session:
                 step += 1
             elif not self._needs_recovery():
                 raise RuntimeError("ftrun: call commit(optimizer) once in every step of steps()")
+        self.channel.send(protocol.FINISHED, step=self.committed_step)
 
     def commit(self, optimizer: torch.optim.Optimizer, loss: torch.Tensor | None = None) -> float | None:
         """Step ``optimizer`` if this step's collectives completed; returns the loss summed over ranks.
