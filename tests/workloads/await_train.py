@@ -1,0 +1,82 @@
+"""faulty_train.py with waits on the run's event log, so joiner tests do not depend on timing luck.
+
+FAULTS is read as in faulty_train.py, but faults fire only in attempt 0 (TORCHELASTIC_RESTART_COUNT=0),
+so a group restart runs clean. AWAIT (environment) is a comma list of WHEN:WHAT; a worker waits until
+the run's event log (FTRUN_RUN_DIR/events.jsonl) holds an event WHAT (an event name, or `joined`: a
+"generation" event with joiners):
+  WHEN = STEP    every member waits before step STEP (before that step's planted fault), once
+  WHEN = end     every member waits after its last step, before it exits
+  WHEN = joiner  a joiner (spare or respawned worker) waits before entering Session.steps()
+A wait gives up after 120 s and carries on (the test then fails on what it checks, instead of hanging).
+Every rank prints `commit uid=<uid> rank=<r> world=<w> step=<n> loss=<float>` for each committed step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import faulty_train  # noqa: E402
+from faulty_train import UID, ftrun, train_ddp  # noqa: E402
+
+ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+FAULTS = faulty_train.FAULTS if ATTEMPT == 0 else []
+AWAIT = [tuple(a.split(":", 1)) for a in os.environ.get("AWAIT", "").split(",") if a]
+EVENTS = Path(os.environ.get("FTRUN_RUN_DIR", ".")) / "events.jsonl"
+
+
+def logged(what: str) -> bool:
+    """Whether the event log holds the event ``what`` (or, for `joined`, a generation with joiners)."""
+    try:
+        lines = EVENTS.read_text().splitlines()
+    except FileNotFoundError:
+        return False
+    for line in lines:
+        try:
+            event = json.loads(line)
+        except ValueError:  # a line being written
+            continue
+        if what == "joined" and event["event"] == "generation" and event.get("joiners"):
+            return True
+        if event["event"] == what:
+            return True
+    return False
+
+
+def wait_for(what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not logged(what) and time.monotonic() < deadline:
+        time.sleep(0.02)  # polling a condition; the order comes from the log, not from the delay
+
+
+def main() -> None:
+    args = train_ddp.parse_args()
+    ft = ftrun.init()
+    training = train_ddp.build(args, ft, bucket_cap_mb=1)
+    if os.environ.get("FTRUN_SPARE") == "1":
+        for when, what in AWAIT:
+            if when == "joiner":
+                wait_for(what)
+    waited: set[int] = set()
+    for step in ft.steps(args.steps):
+        for when, what in AWAIT:
+            if when.isdigit() and int(when) == step and step not in waited:
+                waited.add(step)
+                wait_for(what)
+        for kind, at, uid in FAULTS:
+            faulty_train.plant(kind, int(at), int(uid), training, step)
+        loss = train_ddp.train_step(ft, training, step)
+        if loss is not None:
+            print(f"commit uid={UID} rank={ft.rank} world={ft.world_size} step={step} loss={loss:.12g}", flush=True)
+    for when, what in AWAIT:
+        if when == "end":
+            wait_for(what)
+
+
+if __name__ == "__main__":
+    main()
