@@ -343,11 +343,12 @@ def test_no_recovery_flag_gives_a_plain_group_failure_like_torchrun(launch):
 # ----------------------------------------------------------------------------------- late joiner
 def test_joiner_ready_when_the_survivors_have_finished_does_not_fail_the_job(launch, baseline):
     # The survivors finish all their steps, then wait (after the loop, e.g. saving a checkpoint) until
-    # the respawned worker has been placed in a new generation. Training is complete: the late joiner
+    # the respawned worker is ready to join. Training is complete: the late joiner is not placed, and
     # must not turn the run into a failure (nor, with --max-restarts, into a restart from scratch).
-    run = launch("--respawn", "--recovery-timeout", "5", *NO_WATCHDOG, faults="kill:5:2", wait="end:joined",
-                 script="await_train.py")
+    run = launch("--respawn", "--recovery-timeout", "5", *NO_WATCHDOG, faults="kill:5:2",
+                 wait="end:joiner_ready", script="await_train.py")
     why = run.explain()
     assert run.returncode == 0, why
     assert not run.of("recovery_failed"), why
+    assert not any(g["joiners"] for g in run.of("generation")), why
     check_steps(run, baseline, {2: -9})

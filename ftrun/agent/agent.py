@@ -214,29 +214,25 @@ class Agent:
             except (KeyError, ValueError):
                 pass
 
-    def _read_output(self, pipe, uid: int, stream: int) -> None:
+    def _read_output(self, pipe, uid: int, stream: int) -> bool:
+        """Move one chunk of a worker's pipe to its output; False when nothing more is ready, or at EOF."""
         if pipe not in self.selector.get_map():  # drained to EOF by _on_exit earlier in the same select batch
-            return
+            return False
         try:
             data = os.read(pipe.fileno(), 65536)
         except BlockingIOError:
-            return
+            return False
         self.outputs[uid].feed(stream, data)
         if not data:
             self.selector.unregister(pipe)
+        return bool(data)
 
     def _drain(self, uid: int) -> None:
         """Read what an ended worker left in its pipes, so its last words reach the log and the report."""
         worker = self.workers[uid]
         for stream, pipe in ((STDOUT, worker.proc.stdout), (STDERR, worker.proc.stderr)):
-            while pipe in {k.fileobj for k in self.selector.get_map().values()}:
-                try:
-                    data = os.read(pipe.fileno(), 65536)
-                except BlockingIOError:
-                    break
-                self.outputs[uid].feed(stream, data)
-                if not data:
-                    self.selector.unregister(pipe)
+            while self._read_output(pipe, uid, stream):
+                pass
 
     def _read_channel(self, uid: int) -> None:
         worker = self.workers[uid]

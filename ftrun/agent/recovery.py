@@ -64,7 +64,10 @@ class Coordinator:
         self.plan = Plan(0, list(range(self.target)))
         self.adopted: set[int] = set()
         self.ready: list[int] = []
-        self.finished: set[int] = set()
+        self.finished: set[int] = set()  # exited with code 0
+        self.trained: set[int] = set()  # committed at least one step
+        self.joiners: set[int] = set()  # placed after the start (spares, respawned workers)
+        self.left_loop: set[int] = set()  # finished their step loop: the training is complete
         self.last_step: dict[int, int] = {}
         self.recovery: Recovery | None = None
         self.rescue: Rescue | None = None
@@ -81,6 +84,9 @@ class Coordinator:
             self.watchdog.entered(uid, message["step"])
         elif kind == protocol.FINISHED:
             self.watchdog.finished(uid)
+            self.left_loop.add(uid)
+            if self.recovery is not None and self.recovery.kind == "join":
+                self.recovery = None  # a joiner placed as training ended: nothing left for it to join
         elif kind == protocol.READY:
             self.ready.append(uid)
             self.agent.events.write("joiner_ready", uid=uid, pid=worker.pid)
@@ -91,15 +97,16 @@ class Coordinator:
             self.rescue.waiting.discard(uid)
             self.rescue.saved[uid] = message["step"]
         elif kind == protocol.PROGRESS:
+            self.trained.add(uid)
             self.last_step[uid] = message["step"]
             self.watchdog.committed(uid, message["step"], message["step_time"])
             if self.recovery and message["gen"] == self.recovery.gen:
                 self._recovered(message)
 
     def on_finished(self, worker: Worker) -> None:
-        """A worker ended with exit code 0; once every member has, idle spares are stopped."""
+        """A worker ended with exit code 0; once every member that trained has, joiners and spares are stopped."""
         self.finished.add(worker.uid)
-        if all(uid in self.finished for uid in self.plan.members):
+        if self.succeeded():
             self.agent.stop_all()
 
     def on_fault(self, worker: Worker, failure: WorkerFailure) -> bool:
@@ -161,16 +168,20 @@ class Coordinator:
         return None
 
     def succeeded(self) -> bool:
-        """Whether every member of the current generation finished with exit code 0."""
-        return bool(self.plan.members) and all(uid in self.finished for uid in self.plan.members)
+        """Whether every member of the current generation finished with exit code 0.
+
+        A joiner placed as the others were finishing, which never committed a step, does not count.
+        """
+        counted = [uid for uid in self.plan.members if uid not in self.joiners or uid in self.trained]
+        return bool(counted) and all(uid in self.finished for uid in counted)
 
     # ------------------------------------------------------------ decisions
     def _place_joiners(self) -> None:
         """Ready joiners fill a generation that is below its target size."""
         if self.recovery is not None and self.recovery.waiting_since is None:
             return  # a recovery is under way; joiners are placed once it is done
-        if len(self.plan.members) >= self.target or not self.ready:
-            return
+        if len(self.plan.members) >= self.target or not self.ready or self.left_loop or self.finished:
+            return  # full, nobody to place, or the training is over
         if self.recovery is None:
             self.recovery = Recovery("join", time.time(), self.plan, max(self.last_step.values(), default=-1))
         if len(self.plan.members) + len(self.ready) < self.config.min_nproc:
@@ -182,6 +193,7 @@ class Coordinator:
         """Make ``plan`` the current generation: store it, and send it to every live local worker."""
         for uid in plan.joiners:
             self.ready.remove(uid)
+            self.joiners.add(uid)
         self.plan = plan
         self.recovery.gen = plan.gen
         self.recovery.plan_sent = time.time()
