@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import inspect
 import os
@@ -59,6 +60,7 @@ class Session:
         self._entered_epoch = -1  # the epoch whose first collective was reported to the agent
         self._step_started = 0.0
         self._recovery_timings: dict[str, float] | None = None
+        atexit.register(_shut_down_group)
         if not self.managed:
             dist.init_process_group(self.backend, timeout=timeout)
             self.channel = None
@@ -364,6 +366,13 @@ class Session:
         for model, kwargs in self._ddps:
             DistributedDataParallel.__init__(model, model.module, **{**kwargs, **skip_sync})
             model.register_comm_hook(None, self._allreduce_hook)
+
+
+def _shut_down_group() -> None:
+    """At exit, while the interpreter is whole: shut the current group down, so no backend thread is
+    left running into the interpreter's teardown (an abandoned generation's group is never touched)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 _session: Session | None = None
