@@ -11,6 +11,7 @@ the same number whatever the world size.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +47,10 @@ class Training:
 
 def build(args: argparse.Namespace, ft: ftrun.Session, **ddp_options: Any) -> Training:
     """Data, model (the same on every rank: seeded), optimizer; protected so a peer can restore them."""
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     generator = torch.Generator().manual_seed(args.seed)
     inputs = torch.randn(args.samples, args.width, generator=generator)
     teacher = torch.randn(args.width, args.width, generator=generator)

@@ -59,7 +59,6 @@ class Session:
         self._epoch = 0  # steps and recoveries started: a late collective failure only fails its own epoch
         self._entered_epoch = -1  # the epoch whose first collective was reported to the agent
         self._step_started = 0.0
-        self._recovery_timings: dict[str, float] | None = None
         atexit.register(_shut_down_group)
         if not self.managed:
             dist.init_process_group(self.backend, timeout=timeout)
