@@ -45,21 +45,31 @@ class Training:
     batches: ftrun.GlobalBatches
 
 
-def build(args: argparse.Namespace, ft: ftrun.Session, **ddp_options: Any) -> Training:
-    """Data, model (the same on every rank: seeded), optimizer; protected so a peer can restore them."""
-    device = torch.device("cpu")
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-        torch.cuda.set_device(device)
+def make_data(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    """Synthetic inputs and targets (a random teacher), the same on every rank: seeded."""
     generator = torch.Generator().manual_seed(args.seed)
     inputs = torch.randn(args.samples, args.width, generator=generator)
     teacher = torch.randn(args.width, args.width, generator=generator)
-    targets = torch.tanh(inputs @ teacher / args.width**0.5)
+    return inputs, torch.tanh(inputs @ teacher / args.width**0.5)
+
+
+def make_model(args: argparse.Namespace) -> torch.nn.Module:
+    """The MLP, initialised the same on every rank: seeded."""
     torch.manual_seed(args.seed)
     layers: list[torch.nn.Module] = []
     for _ in range(args.layers - 1):
         layers += [torch.nn.Linear(args.width, args.width), torch.nn.Tanh()]
-    model = ft.ddp(torch.nn.Sequential(*layers, torch.nn.Linear(args.width, args.width)).to(device), **ddp_options)
+    return torch.nn.Sequential(*layers, torch.nn.Linear(args.width, args.width))
+
+
+def build(args: argparse.Namespace, ft: ftrun.Session, **ddp_options: Any) -> Training:
+    """Data, model, optimizer; protected so a peer can restore them."""
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    inputs, targets = make_data(args)
+    model = ft.ddp(make_model(args).to(device), **ddp_options)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     ft.protect(model=model, optimizer=optimizer)
     batches = ftrun.GlobalBatches(args.samples, args.global_batch, seed=args.seed)

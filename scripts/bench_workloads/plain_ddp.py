@@ -1,7 +1,7 @@
 """A minimal plain-DDP training loop without ftrun: the baseline the benchmarks compare against.
 
 Same model, data and global batch as examples/train_ddp.py (MLP of width 512, 4 layers, 128 samples per
-step split over the ranks), but stock DDP with averaged gradients and no ftrun import at all. Rank 0
+step split over the ranks), but stock DDP with averaged gradients and no ftrun API. Rank 0
 prints ``step=<n> attempt=<a> loss=<float> t=<time.time()>`` after every optimizer step, where ``a`` is
 TORCHELASTIC_RESTART_COUNT; the loss is rank 0's local loss (no extra collective).
 
@@ -15,42 +15,33 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+import train_ddp  # noqa: E402  (the example's data and model; it imports no ftrun runtime at module level)
+
 import attempt_store  # noqa: F401  (keys per restart attempt: torchrun 2.14.1 reuses its store)
 
 
 def parse_args() -> argparse.Namespace:
-    """The workload's flags."""
-    parser = argparse.ArgumentParser(description="Plain DDP on synthetic data (no ftrun).")
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--lr", type=float, default=1.0)
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--global-batch", type=int, default=128)
-    parser.add_argument("--samples", type=int, default=4096)
+    """The example's flags, and ``--fail-at``."""
+    parser = argparse.ArgumentParser(description="Plain DDP on synthetic data (no ftrun API).")
     parser.add_argument("--fail-at", type=int, default=-1, help="RANK 1 exits with code 1 before this step "
                         "on attempt 0 (-1: never).")
-    return parser.parse_args()
+    known, _ = parser.parse_known_args()
+    return argparse.Namespace(**vars(train_ddp.parse_args()), **vars(known))
 
 
 def build(args: argparse.Namespace) -> tuple[DistributedDataParallel, torch.optim.Optimizer, torch.Tensor,
                                               torch.Tensor]:
-    """Data and a seeded model, exactly as the ftrun example builds them; the model wrapped in DDP."""
-    generator = torch.Generator().manual_seed(args.seed)
-    inputs = torch.randn(args.samples, args.width, generator=generator)
-    teacher = torch.randn(args.width, args.width, generator=generator)
-    targets = torch.tanh(inputs @ teacher / args.width**0.5)
-    torch.manual_seed(args.seed)
-    layers: list[torch.nn.Module] = []
-    for _ in range(args.layers - 1):
-        layers += [torch.nn.Linear(args.width, args.width), torch.nn.Tanh()]
-    model = DistributedDataParallel(torch.nn.Sequential(*layers, torch.nn.Linear(args.width, args.width)))
+    """Data and a seeded model, exactly as the ftrun example builds them; the model wrapped in stock DDP."""
+    inputs, targets = train_ddp.make_data(args)
+    model = DistributedDataParallel(train_ddp.make_model(args))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     return model, optimizer, inputs, targets
 
