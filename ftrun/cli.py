@@ -21,7 +21,7 @@ _ABORTS = (typer.Abort, getattr(click_exceptions, "Abort", typer.Abort))
 app = typer.Typer(
     name="ftrun",
     help="A fault-tolerant torchrun: survivors keep training in place when a worker dies.\n\n"
-    "`ftrun [flags] script.py [args]` is short for `ftrun run [flags] script.py [args]`.",
+    "ftrun FLAGS script.py ARGS is short for ftrun run FLAGS script.py ARGS.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
