@@ -21,21 +21,12 @@ ftrun/torchrun ratio are printed.
 from __future__ import annotations
 
 import argparse
-import os
-import queue
 import re
-import shlex
 import statistics
-import subprocess
 import sys
-import threading
-import time
-from collections import deque
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
+from bench_runs import Run, command_line, ended, lines, machine, start, stop
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAIN = ROOT / "scripts" / "bench_workloads" / "plain_ddp.py"
@@ -60,71 +51,12 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-@dataclass
-class Run:
-    """One launcher process, its output arriving as (perf_counter stamp, line) on a queue."""
-
-    proc: subprocess.Popen[str]
-    started: float
-    lines: queue.Queue[tuple[float, str | None]] = field(default_factory=queue.Queue)
-    tail: deque[str] = field(default_factory=lambda: deque(maxlen=30))
-
-
-def start(command: list[str]) -> Run:
-    """Start ``command`` and a thread that stamps each of its output lines as it arrives."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("FTRUN_", "TORCHELASTIC_"))}
-    started = time.perf_counter()
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                            env=env, cwd=ROOT)
-    run = Run(proc, started)
-
-    def read() -> None:
-        for line in proc.stdout:
-            run.lines.put((time.perf_counter(), line.rstrip("\n")))
-        run.lines.put((time.perf_counter(), None))
-
-    threading.Thread(target=read, daemon=True).start()
-    return run
-
-
-def lines(run: Run, timeout: float) -> Iterator[tuple[float, str]]:
-    """The run's output lines with their arrival stamps until it closes its output; raises after ``timeout``."""
-    deadline = run.started + timeout
-    while True:
-        try:
-            stamp, line = run.lines.get(timeout=max(0.0, deadline - time.perf_counter()))
-        except queue.Empty:
-            raise RuntimeError(f"no result within {timeout:.0f} s; last output:\n" + "\n".join(run.tail)) from None
-        if line is None:
-            return
-        run.tail.append(line)
-        yield stamp, line
-
-
-def stop(run: Run) -> None:
-    """SIGTERM the launcher (it stops its workers); SIGKILL it and any descendant still alive after 15 s."""
-    try:
-        family = psutil.Process(run.proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        family = []
-    run.proc.terminate()
-    try:
-        run.proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        run.proc.kill()
-        run.proc.wait()
-    _, alive = psutil.wait_procs(family, timeout=5)
-    for process in alive:
-        process.kill()
-
-
 def first_match(run: Run, pattern: re.Pattern[str], timeout: float) -> float:
     """The arrival stamp of the run's next output line that matches ``pattern``."""
     for stamp, line in lines(run, timeout):
         if pattern.search(line):
             return stamp
-    raise RuntimeError(f"the launcher ended (exit {run.proc.wait()}) before the measurement; last output:\n"
-                       + "\n".join(run.tail))
+    raise ended(run)
 
 
 def group_restart(launcher: str, fail_at: int, timeout: float) -> tuple[float, float]:
@@ -164,13 +96,12 @@ def report(results: dict[str, dict[str, list[float]]]) -> None:
         torch_values, ft_values = results[metric]["torchrun"], results[metric]["ftrun"]
         ratio = statistics.median(ft_values) / statistics.median(torch_values)
         print(f"{label:40s} {cell(torch_values):>20s} {cell(ft_values):>20s} {ratio:15.2f}")
-    print(f"\ncommand: python {shlex.join(sys.argv)}")
+    print(f"\n{command_line()}")
 
 
 def main() -> None:
     args = parse_args()
-    print(f"4 workers, launchers alternating, {args.repeats} runs each "
-          f"({os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f})", flush=True)
+    print(f"4 workers, launchers alternating, {args.repeats} runs each ({machine()})", flush=True)
     report(measure(args.repeats, args.fail_at, args.timeout))
 
 

@@ -30,23 +30,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import re
-import shlex
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections import deque
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psutil
+
+from bench_runs import Run, command_line, ended, lines, machine, start, stop
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "scripts" / "bench_workloads" / "train_ckpt.py"
@@ -72,70 +68,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--overhead-runs", type=int, default=2, help="Steady-state runs per configuration (2).")
     parser.add_argument("--timeout", type=float, default=180.0, help="Seconds one run may take (180).")
     return parser.parse_args()
-
-
-# ------------------------------------------------------------------ running a launcher
-@dataclass
-class Run:
-    """One launcher process, its output lines arriving on a queue (None once it is closed)."""
-
-    proc: subprocess.Popen[str]
-    started: float
-    lines: queue.Queue[str | None] = field(default_factory=queue.Queue)
-    tail: deque[str] = field(default_factory=lambda: deque(maxlen=30))
-
-
-def start(command: list[str]) -> Run:
-    """Start ``command`` and a thread that queues each of its output lines as it arrives."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("FTRUN_", "TORCHELASTIC_"))}
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                            env=env, cwd=ROOT)
-    run = Run(proc, time.monotonic())
-
-    def read() -> None:
-        for line in proc.stdout:
-            run.lines.put(line.rstrip("\n"))
-        run.lines.put(None)
-
-    threading.Thread(target=read, daemon=True).start()
-    return run
-
-
-def lines(run: Run, timeout: float) -> Iterator[str]:
-    """The run's output lines until it closes its output; raises if ``timeout`` passes first."""
-    deadline = run.started + timeout
-    while True:
-        try:
-            line = run.lines.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            raise RuntimeError(f"no result within {timeout:.0f} s; last output:\n" + "\n".join(run.tail)) from None
-        if line is None:
-            return
-        run.tail.append(line)
-        yield line
-
-
-def ended(run: Run) -> RuntimeError:
-    """The error for a launcher that ended before its measurement was taken."""
-    return RuntimeError(f"the launcher ended (exit {run.proc.wait()}) before the measurement; last output:\n"
-                        + "\n".join(run.tail))
-
-
-def stop(run: Run) -> None:
-    """SIGTERM the launcher (it stops its workers); SIGKILL it and any descendant still alive after 15 s."""
-    try:
-        family = psutil.Process(run.proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        family = []
-    run.proc.terminate()
-    try:
-        run.proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        run.proc.kill()
-        run.proc.wait()
-    _, alive = psutil.wait_procs(family, timeout=5)
-    for process in alive:
-        process.kill()
 
 
 # ------------------------------------------------------------------ recovery drills
@@ -198,7 +130,7 @@ def follow(run: Run, launcher: str, args: argparse.Namespace) -> Drill:
     killed_at = killed_after = last_before = -1
     resumed: tuple[int, float] | None = None
     run_dir: str | None = None
-    for line in lines(run, args.timeout):
+    for _, line in lines(run, args.timeout):
         match = TRAIN_LINE.search(line)
         if not match:
             continue
@@ -233,7 +165,7 @@ def step_times(launcher: str, script: Path, extra: list[str], steps: int, timeou
     run = start([*LAUNCHERS[launcher], *LAUNCH_FLAGS, str(script), "--steps", str(steps), *extra])
     stamps: dict[int, float] = {}
     try:
-        for line in lines(run, timeout):
+        for _, line in lines(run, timeout):
             match = ANY_STEP.search(line)
             if match:
                 stamps[int(match[1])] = float(match[2])
@@ -287,13 +219,13 @@ def print_summary(drills: list[Drill], overhead: dict[str, list[float]], args: a
                       (f"per-step overhead < {TARGET_OVERHEAD:.0%} vs plain DDP ({overhead_ratio:+.1%})",
                        overhead_ratio < TARGET_OVERHEAD)):
         print(f"  {'PASS' if ok else 'FAIL'}  {label}")
-    print(f"\ncommand: python {shlex.join(sys.argv)}")
+    print(f"\n{command_line()}")
 
 
 def main() -> None:
     args = parse_args()
     print(f"{WORLD} workers, kill RANK 1 after step {args.kill_at}, torchrun checkpoint every {args.ckpt_every} "
-          f"steps ({os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f})", flush=True)
+          f"steps ({machine()})", flush=True)
     drills = []
     for number in range(args.drills):
         for launcher in LAUNCHERS:
