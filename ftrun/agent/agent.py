@@ -62,7 +62,7 @@ class Agent:
         self.restart_count = 0
         self.stop_deadline: float | None = None
         self.pending_signal: int | None = None
-        self.coordinator: Coordinator | None = None
+        self.coordinator: Coordinator  # one per attempt, made before its event loop starts
 
     # ----------------------------------------------------------------- run
     def run(self) -> int:
@@ -194,7 +194,7 @@ class Agent:
                 for worker in self.live_workers():
                     worker.send_signal(signal.SIGKILL)
                 self.stop_deadline = now + 3600
-            if self.stop_deadline is None and self.coordinator is not None:
+            if self.stop_deadline is None:
                 fallback = self.coordinator.tick(now)
                 if fallback:
                     result.reason = fallback
@@ -248,7 +248,7 @@ class Agent:
         worker.channel_buffer += data
         *lines, worker.channel_buffer = worker.channel_buffer.split(b"\n")
         for line in lines:
-            if line and self.coordinator is not None:
+            if line:
                 self.coordinator.on_message(worker, json.loads(line))
 
     def _on_exit(self, uid: int, result: AttemptResult) -> None:
@@ -258,12 +258,12 @@ class Agent:
         self._drain(uid)
         self.events.write("worker_exit", uid=uid, rank=worker.slot.rank, pid=worker.pid, exitcode=code)
         if code == 0 or self.stop_deadline is not None:
-            if self.coordinator is not None and code == 0:
+            if code == 0:
                 self.coordinator.on_finished(worker)
             return
         failure = describe_failure(worker.slot.rank, worker.slot.local_rank, worker.pid, code, worker.error_file,
                                    self.outputs[uid].stderr_tail)
-        if self.coordinator is not None and self.coordinator.on_fault(worker, failure):
+        if self.coordinator.on_fault(worker, failure):
             return
         result.failures.append(failure)
         result.reason = f"worker failure: {failure.summary()}"
