@@ -54,3 +54,46 @@ def free_port():
             return s.getsockname()[1]
 
     return pick
+
+
+@pytest.fixture
+def private_registry(tmp_path, monkeypatch, launcher_env) -> dict[str, str]:
+    """A launcher environment whose run registry (XDG_RUNTIME_DIR) this test reads too."""
+    runtime = tmp_path / "runtime"
+    runtime.mkdir()
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    return {**launcher_env, "XDG_RUNTIME_DIR": str(runtime)}
+
+
+@pytest.fixture
+def live_job(private_registry):
+    """Start `ftrun ARGS...` in the background; returns (Popen, RunEntry) once its workers are started.
+
+    stdout is a pipe (text) for the test to read; stderr holds ftrun's notices. The job is stopped with
+    SIGTERM (then SIGKILL) at the end of the test unless it ended.
+    """
+    from ftrun import registry
+
+    started = []
+
+    def start(*args: str, env: dict[str, str] | None = None):
+        proc = subprocess.Popen([*FTRUN, *map(str, args)], env={**private_registry, **(env or {})},
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        started.append(proc)
+        for line in proc.stderr:  # the start notice comes once the job is registered and its workers spawned
+            if ", attempt 0:" in line:
+                break
+        else:
+            raise AssertionError(f"ftrun ended before starting its workers (exit {proc.wait()})")
+        (entry,) = [e for e in registry.running() if e.pid == proc.pid]
+        return proc, entry
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

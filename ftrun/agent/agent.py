@@ -10,13 +10,16 @@ import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ftrun.agent.env import worker_env
 from ftrun.agent.failures import WorkerFailure, describe_failure, format_report
 from ftrun.agent.output import Console2, WorkerOutput, render_prefix
 from ftrun.agent.recovery import Coordinator
 from ftrun.agent.workers import Worker, WorkerSlot, spawn_worker
+from ftrun import control, registry
 from ftrun.config import STDERR, STDOUT, LaunchConfig
 from ftrun.errors import EXIT_OK, EXIT_SIGNAL_BASE, EXIT_WORKERS_FAILED
 from ftrun.events import EventLog
@@ -32,6 +35,10 @@ def default_runs_root() -> Path:
         return root
     except OSError:
         return Path(tempfile.mkdtemp(prefix="ftrun_"))
+
+
+MAIL_INTERVAL = 0.2
+"""Seconds between two looks at this node's mailbox in the store."""
 
 
 @dataclass
@@ -63,6 +70,11 @@ class Agent:
         self.stop_deadline: float | None = None
         self.pending_signal: int | None = None
         self.coordinator: Coordinator  # one per attempt, made before its event loop starts
+        self.store = None  # the agent's own store handle, once the store is served
+        self.mailbox: control.Mailbox | None = None
+        self.next_mail_check = 0.0
+        self.commands: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {"ping": self._ping}
+        """Handlers of the commands posted to this node's mailbox (``ftrun inject``...), by their ``cmd``."""
 
     # ----------------------------------------------------------------- run
     def run(self) -> int:
@@ -76,9 +88,12 @@ class Agent:
         self.selector.register(wake_r, selectors.EVENT_READ, ("signal", None))
         self.events.write("start", run_id=self.config.run_id, command=self.config.command,
                           nproc=self.config.nproc_per_node, store_port=self.store_host.port)
+        entry = registry.register(registry.new_entry(self.run_dir.name, self.config.run_id,
+                                                     self.config.master_addr, self.store_host.port, self.run_dir))
         try:
             return self._run_attempts(wake_r)
         finally:
+            registry.unregister(entry)
             signal.set_wakeup_fd(previous_wakeup)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -96,7 +111,12 @@ class Agent:
                                 f"{len(self.workers)} workers (pids {pids}); events in {self.run_dir}/events.jsonl",
                                 style="dim")
             if store is None:
-                store = self.store_host.start()
+                store = self.store = self.store_host.start()
+                store.set(control.JOB_KEY, json.dumps({"run_id": self.run_dir.name, "rdzv_id": self.config.run_id,
+                                                       "nnodes": self.config.min_nodes,
+                                                       "world_size": self.config.world_size,
+                                                       "run_dir": str(self.run_dir)}))
+                self.mailbox = control.Mailbox(store, control.node_box(self.config.node_rank))
             self.coordinator = Coordinator(self, store)
             result = self._watch(wake_r)
             self.events.write("attempt_end", attempt=self.restart_count, succeeded=result.succeeded,
@@ -194,6 +214,9 @@ class Agent:
                 for worker in self.live_workers():
                     worker.send_signal(signal.SIGKILL)
                 self.stop_deadline = now + 3600
+            if now >= self.next_mail_check:
+                self._read_mail()
+                self.next_mail_check = now + MAIL_INTERVAL
             if self.stop_deadline is None:
                 fallback = self.coordinator.tick(now)
                 if fallback:
@@ -206,6 +229,21 @@ class Agent:
             worker.close()
         result.succeeded = result.signal is None and not result.reason and self.coordinator.succeeded()
         return result
+
+    def _read_mail(self) -> None:
+        """Run the commands posted to this node's mailbox and answer each."""
+        for message in self.mailbox.poll():
+            handler = self.commands.get(message.get("cmd", ""))
+            if handler is None:
+                answer = {"ok": False, "error": f"this agent does not know the command {message.get('cmd')!r}"}
+            else:
+                answer = handler(message)
+            control.reply(self.store, message, answer)
+
+    def _ping(self, message: dict[str, Any]) -> dict[str, Any]:
+        """Answer ``ping``: who this agent is and which ranks it runs."""
+        return {"ok": True, "node_rank": self.config.node_rank, "pid": os.getpid(), "attempt": self.restart_count,
+                "ranks": {str(w.slot.rank): w.pid for w in self.live_workers() if not w.slot.spare}}
 
     def _unregister(self, worker: Worker) -> None:
         for obj in (worker.proc.stdout, worker.proc.stderr, worker.pidfd, worker.channel):
