@@ -28,6 +28,7 @@ app = typer.Typer(
 )
 
 SUBCOMMANDS = {"run"}
+_LAUNCHER_ARGS: list[str] = []  # the options given before the script, kept for the agents of a --hostfile launch
 
 
 @app.callback()
@@ -54,7 +55,8 @@ def run(
     nproc_per_node: Optional[str] = _opt("--nproc-per-node", "--nproc_per_node",
                                          help="Workers per node: N, gpu, cpu or auto. Default: one per visible GPU, else 1."),
     nnodes: str = _opt("--nnodes", help="Number of nodes, N or MIN:MAX.", default="1:1"),
-    node_rank: int = _opt("--node-rank", "--node_rank", help="Rank of this node.", default=0),
+    node_rank: Optional[int] = _opt("--node-rank", "--node_rank",
+                                    help="Rank of this node (default 0, or SLURM_NODEID under Slurm)."),
     master_addr: str = _opt("--master-addr", "--master_addr", help="Address of the store host (static rendezvous).",
                             default="127.0.0.1"),
     master_port: Optional[int] = _opt("--master-port", "--master_port",
@@ -113,6 +115,11 @@ def run(
                                            help="Seconds an in-place recovery may take before a group restart."),
     join_timeout: float = typer.Option(60.0, "--join-timeout",
                                        help="Seconds to wait for joiners when below --min-nproc."),
+    hostfile: Optional[str] = typer.Option(
+        None, "--hostfile", help="Start one agent per host of this file (over ssh; local hosts directly)."),
+    hosts: Optional[str] = typer.Option(None, "-H", "--hosts", help="Hosts as a list, like host1:4,host2:4."),
+    node_timeout: float = typer.Option(
+        10.0, "--node-timeout", help="Seconds without a lease renewal before a node is declared lost (and fences)."),
     hang_timeout: Optional[float] = typer.Option(
         None, "--hang-timeout",
         help="Seconds without progress before a rank is declared hung (default: adaptive, 10x the median step)."),
@@ -126,7 +133,8 @@ def run(
         module=module, no_python=no_python, run_path=run_path, log_dir=log_dir, redirects=redirects, tee=tee,
         local_ranks_filter=local_ranks_filter, local_addr=local_addr, signals_to_handle=signals_to_handle,
         shutdown_timeout=shutdown_timeout, log_line_prefix_template=log_line_prefix_template,
-        virtual_local_rank=virtual_local_rank,
+        virtual_local_rank=virtual_local_rank, hostfile=hostfile, host_list=hosts, node_timeout=node_timeout,
+        launcher_args=_LAUNCHER_ARGS[: len(_LAUNCHER_ARGS) - 1 - len(script_args or [])],
         unsupported={"--logs-specs": logs_specs, "--numa-binding": numa_binding,
                      "--duplicate-stdout-filters": duplicate_stdout_filters,
                      "--duplicate-stderr-filters": duplicate_stderr_filters,
@@ -151,6 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     """Console entry point: one clear line and exit code 2 for bad input, never a traceback."""
     SUBCOMMANDS.update(app.registered_commands and [c.name or c.callback.__name__ for c in app.registered_commands])
     args = _with_default_command(list(sys.argv[1:] if argv is None else argv))
+    _LAUNCHER_ARGS[:] = args[1:]
     command = typer.main.get_command(app)
     try:
         code = command.main(args, prog_name="ftrun", standalone_mode=False)

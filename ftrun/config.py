@@ -5,11 +5,15 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ftrun.errors import UsageError
+from ftrun.agent.remote import is_local
+from ftrun.hostfile import Host, parse_host_list, read_hostfile
+from ftrun.slurm import slurm_node
 
 STDOUT, STDERR = 1, 2
 
@@ -132,6 +136,7 @@ class LaunchConfig:
     command: list[str]
     script: str
     nproc_per_node: int
+    script_args: list[str] = field(default_factory=list)
     min_nodes: int = 1
     max_nodes: int = 1
     node_rank: int = 0
@@ -152,11 +157,34 @@ class LaunchConfig:
     shutdown_timeout: float = 30.0
     virtual_local_rank: bool = False
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    node_sizes: tuple[int, ...] = ()  # workers per node, by node rank; () means nproc_per_node on every node
+    node_name: str = field(default_factory=socket.gethostname)  # this node's name in output prefixes
+    host_store: bool = True  # this process serves the store (False: the hostfile launcher or node 0 does)
+    node_timeout: float = 10.0  # a node whose lease is older than this is lost; an agent that cannot renew fences
+    run_name: str | None = None  # the run directory's name, shared by every node of a multi-node job
+    hosts: list[Host] | None = None  # --hostfile / -H: launch one agent per host from here
+    under_launcher: bool = False  # this agent was started by a --hostfile launcher, which registers the run
+    launcher_args: list[str] = field(default_factory=list)  # ftrun's own arguments, as given (for --hostfile)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Workers per node, by node rank."""
+        return self.node_sizes or (self.nproc_per_node,) * self.min_nodes
 
     @property
     def world_size(self) -> int:
         """Number of training workers (spares excluded)."""
-        return self.nproc_per_node * self.min_nodes
+        return sum(self.sizes)
+
+    @property
+    def rank_offset(self) -> int:
+        """Global rank of this node's local rank 0."""
+        return sum(self.sizes[: self.node_rank])
+
+    @property
+    def multinode(self) -> bool:
+        """Whether the job spans more than one node."""
+        return self.min_nodes > 1
 
 
 def _entrypoint(script: str, script_args: list[str], module: bool, no_python: bool, run_path: bool) -> list[str]:
@@ -204,7 +232,6 @@ def build_config(
     script_args: list[str],
     nproc_per_node: str | None,
     nnodes: str,
-    node_rank: int,
     master_addr: str,
     master_port: int | None,
     rdzv_backend: str,
@@ -230,22 +257,37 @@ def build_config(
     virtual_local_rank: bool,
     unsupported: dict[str, object],
     recovery: RecoveryConfig,
+    node_rank: int | None = None,
+    hostfile: str | None = None,
+    host_list: str | None = None,
+    node_timeout: float = 10.0,
+    launcher_args: list[str] | None = None,
 ) -> LaunchConfig:
     """Validate the flags and build the one :class:`LaunchConfig` the launch runs on."""
     for flag, value in unsupported.items():
         if value:
             raise UsageError(f"{flag} is not supported by ftrun; remove it (ftrun has no equivalent yet)")
     min_nodes, max_nodes = parse_nnodes(nnodes)
-    if max_nodes > 1:
-        raise UsageError(
-            f"--nnodes {nnodes}: multi-node launch is not available in this version of ftrun; run with --nnodes 1"
-        )
+    if min_nodes != max_nodes:
+        raise UsageError(f"--nnodes {nnodes}: a range of node counts is not supported; give the number of nodes "
+                         "(when a node is lost, ftrun carries on with fewer)")
+    hosts = _hosts(hostfile, host_list, nnodes=max_nodes, node_rank=node_rank)
+    if hosts is not None:
+        min_nodes = max_nodes = len(hosts)
+    slurm = slurm_node(os.environ) if max_nodes > 1 and hosts is None else None
+    if node_rank is None:
+        node_rank = slurm.node_rank if slurm else 0
+    if not 0 <= node_rank < max_nodes:
+        raise UsageError(f"--node-rank {node_rank}: must be between 0 and --nnodes - 1 ({max_nodes - 1})")
+    if max_nodes > 1 and hosts is None and not rdzv_endpoint and master_port is None:
+        if slurm is None:
+            raise UsageError(f"--nnodes {max_nodes}: every node needs the store's address: add "
+                             "--rdzv-endpoint HOST:PORT (HOST runs node rank 0), or use --hostfile")
+        rdzv_endpoint, rdzv_backend = f"{slurm.head}:29400", "c10d"
     if start_method not in ("spawn", "fork", "forkserver"):
         raise UsageError(f"--start-method {start_method!r} is not valid: use spawn, fork or forkserver")
     if rdzv_backend not in ("static", "c10d"):
         raise UsageError(f"--rdzv-backend {rdzv_backend!r} is not supported: use c10d or static (ftrun hosts the store)")
-    if node_rank != 0:
-        raise UsageError(f"--node-rank {node_rank}: a single-node launch has only node rank 0")
     if max_restarts < 0:
         raise UsageError("--max-restarts must be 0 or more")
     if monitor_interval <= 0:
@@ -259,7 +301,15 @@ def build_config(
             if "=" not in item:
                 raise UsageError(f"--rdzv-conf {rdzv_conf!r} is not valid: use KEY=VALUE pairs separated by commas")
     nproc = resolve_nproc(nproc_per_node)
+    if standalone and max_nodes > 1:
+        raise UsageError("--standalone is for one node: remove it, or --nnodes/--hostfile")
     store, addr = _store_endpoint(rdzv_backend, rdzv_endpoint, master_addr, master_port, standalone)
+    node_sizes = _node_sizes(os.environ.get("FTRUN_NODE_SIZES", ""), max_nodes, node_rank, nproc)
+    if hosts is not None:
+        node_sizes = tuple(nproc if nproc_per_node else (h.slots or nproc) for h in hosts)
+        if not rdzv_endpoint and master_port is None:
+            addr = "localhost" if all(is_local(h.name) for h in hosts) else socket.getfqdn()
+            store = Endpoint(addr, 0)
     if standalone or (rdzv_backend == "static" and not rdzv_endpoint and master_port is None):
         run_id = str(uuid.uuid4())
         rdzv_backend = "c10d"
@@ -276,11 +326,15 @@ def build_config(
         raise UsageError("--spares must be 0 or more")
     if recovery.hang_timeout is not None and recovery.hang_timeout <= 0:
         raise UsageError("--hang-timeout must be a positive number of seconds")
-    if not 1 <= recovery.min_nproc <= nproc:
-        raise UsageError(f"--min-nproc {recovery.min_nproc} must be between 1 and the number of workers ({nproc})")
+    if node_timeout <= 0:
+        raise UsageError("--node-timeout must be a positive number of seconds")
+    world = sum(node_sizes) if node_sizes else nproc * max_nodes
+    if not 1 <= recovery.min_nproc <= world:
+        raise UsageError(f"--min-nproc {recovery.min_nproc} must be between 1 and the number of workers ({world})")
     return LaunchConfig(
         command=_entrypoint(script, script_args, module, no_python, run_path),
         script=script,
+        script_args=list(script_args),
         nproc_per_node=nproc,
         min_nodes=min_nodes,
         max_nodes=max_nodes,
@@ -296,13 +350,46 @@ def build_config(
         redirects=parse_std_spec(redirects, "--redirects", nproc),
         tee=parse_std_spec(tee, "--tee", nproc),
         local_ranks_filter=ranks_filter,
-        log_line_prefix_template=log_line_prefix_template or "[${role_name}${rank}]:",
+        log_line_prefix_template=log_line_prefix_template or (
+            "[${hostname}:${rank}]:" if max_nodes > 1 or hosts else "[${role_name}${rank}]:"),
         local_addr=local_addr,
         signals_to_handle=parse_signals(signals_to_handle),
         shutdown_timeout=shutdown_timeout,
         virtual_local_rank=virtual_local_rank,
         recovery=recovery,
+        node_sizes=node_sizes,
+        node_name=os.environ.get("FTRUN_NODE_NAME") or socket.gethostname(),
+        host_store=hosts is None and node_rank == 0 and os.environ.get("FTRUN_UNDER_LAUNCHER") != "1",
+        under_launcher=os.environ.get("FTRUN_UNDER_LAUNCHER") == "1",
+        launcher_args=list(launcher_args or []),
+        node_timeout=node_timeout,
+        run_name=os.environ.get("FTRUN_RUN_NAME") or None,
+        hosts=hosts,
     )
+
+
+def _hosts(hostfile: str | None, host_list: str | None, *, nnodes: int, node_rank: int | None) -> list[Host] | None:
+    """The hosts of a --hostfile / -H launch, or None for a launch of this node only."""
+    if hostfile and host_list:
+        raise UsageError("--hostfile and -H/--hosts both list hosts: give one of them")
+    if not hostfile and not host_list:
+        return None
+    if nnodes > 1 or node_rank is not None:
+        raise UsageError("--hostfile/-H starts every node from here: remove --nnodes and --node-rank")
+    return read_hostfile(hostfile) if hostfile else parse_host_list(host_list)
+
+
+def _node_sizes(spec: str, nnodes: int, node_rank: int, nproc: int) -> tuple[int, ...]:
+    """Workers per node as the hostfile launcher passes them to each agent (FTRUN_NODE_SIZES)."""
+    if not spec:
+        return ()
+    try:
+        sizes = tuple(int(n) for n in spec.split(","))
+    except ValueError:
+        sizes = ()
+    if len(sizes) != nnodes or min(sizes) < 1 or sizes[node_rank] != nproc:
+        raise UsageError(f"FTRUN_NODE_SIZES={spec!r} does not match --nnodes {nnodes} and --nproc-per-node {nproc}")
+    return sizes
 
 
 def _writable_log_dir(log_dir: str) -> Path:

@@ -8,20 +8,26 @@ Layout of ftrun's keys that outlive attempts (all under ``ftrun/``):
 - ``ftrun/reply/<token>``            the answer to a command carrying ``reply_to = token``
 
 A mailbox has one reader (an agent, or the leader); any number of writers. Posting is two store calls
-(``add`` then ``set``); reading is a ``check`` per poll, cheap enough for a few polls a second.
+(``add`` then ``set``); the reader checks for the next index every few milliseconds.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import queue
 import socket
+import threading
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 from ftrun.errors import UsageError
 
 JOB_KEY = "ftrun/job"
+POLL_INTERVAL = 0.01
+"""Seconds between two looks for a mailbox's next message: a store round trip each, cheap."""
 
 
 def node_box(node_rank: int) -> str:
@@ -36,23 +42,58 @@ def post(store: Any, box: str, message: dict[str, Any]) -> int:
     return index
 
 
-class Mailbox:
-    """The reading end of a mailbox: :meth:`poll` returns the messages posted since the last call."""
+class MailReader:
+    """The reading end of a mailbox: a thread that looks for each next message every POLL_INTERVAL.
 
-    def __init__(self, store: Any, box: str) -> None:
-        self.store = store
+    It uses a store connection of its own (so the agent's calls never queue behind it), queues what
+    arrives and writes a byte to ``wake_fd`` so that an event loop can select on it; :meth:`take`
+    returns the queued messages.
+    """
+
+    def __init__(self, connect_store: Callable[[], Any], box: str, wake_fd: int) -> None:
         self.box = box
-        self.next = 1
+        self.wake_fd = wake_fd
+        self._connect = connect_store
+        self._queue: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"ftrun-mail-{box}", daemon=True)
 
-    def poll(self) -> list[dict[str, Any]]:
-        """Messages that arrived, in order (never blocks)."""
+    def start(self) -> None:
+        """Start waiting for messages."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop at the next wake-up (at most a second later); messages not yet read stay in the store."""
+        self._stop.set()
+
+    def take(self) -> list[dict[str, Any]]:
+        """The messages that arrived since the last call, in order."""
         messages = []
-        while self.store.check([f"ftrun/mail/{self.box}/{self.next}"]):
-            key = f"ftrun/mail/{self.box}/{self.next}"
-            messages.append(json.loads(self.store.get(key)))
-            self.store.delete_key(key)
-            self.next += 1
+        while not self._queue.empty():
+            messages.append(self._queue.get())
         return messages
+
+    def _run(self) -> None:
+        store = None
+        index = 1
+        while not self._stop.wait(0 if store is not None else 1):
+            key = f"ftrun/mail/{self.box}/{index}"
+            try:
+                store = store or self._connect()
+                while not store.check([key]):  # check, not wait: a wait that times out logs a warning
+                    if self._stop.wait(POLL_INTERVAL):
+                        return
+                message = json.loads(store.get(key))
+                store.delete_key(key)
+            except RuntimeError:  # the store went away: connect again
+                store = None
+                continue
+            index += 1
+            self._queue.put(message)
+            try:
+                os.write(self.wake_fd, b"m")
+            except BlockingIOError:
+                pass  # the loop has not read the earlier wake-ups yet: it will see this message too
 
 
 def request(store: Any, box: str, message: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
@@ -86,10 +127,15 @@ def connect(endpoint: str, timeout: float = 5.0) -> Any:
         socket.create_connection((host, port), timeout=timeout).close()
     except OSError as exc:
         raise UsageError(f"cannot reach a job at {host}:{port}: {exc.strerror or exc}") from None
-    from torch.distributed import TCPStore
-
     try:
-        return TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout),
-                        use_libuv=True)
+        return open_store(host, port, timeout)
     except RuntimeError as exc:
         raise UsageError(f"cannot reach a job at {host}:{port}: {str(exc).splitlines()[0]}") from None
+
+
+def open_store(host: str, port: int, timeout: float) -> Any:
+    """A client connection to the TCPStore at ``host:port``; each call waits at most ``timeout`` seconds."""
+    from torch.distributed import TCPStore
+
+    return TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout),
+                    use_libuv=True)

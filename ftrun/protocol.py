@@ -30,6 +30,15 @@ PLAN = "plan"  # a new generation: Plan fields
 SAVE = "save"  # recovery failed: write your state to FTRUN_RUN_DIR/rescue before the group restart
 
 
+UID_STRIDE = 100_000
+"""Worker uids of node ``n`` are ``n * UID_STRIDE + i``: unique across nodes without a round trip."""
+
+
+def initial_members(sizes: list[int] | tuple[int, ...]) -> list[int]:
+    """Generation 0 in rank order: node ``n``'s workers are uids ``n * UID_STRIDE + i``, ``i < sizes[n]``."""
+    return [node * UID_STRIDE + i for node, size in enumerate(sizes) for i in range(size)]
+
+
 @dataclass(frozen=True)
 class Plan:
     """One generation: who is in the group, in rank order, and why it changed."""

@@ -9,20 +9,22 @@ import signal
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ftrun import control, registry
+from ftrun.agent.cluster import LeaseKeeper, NodeLeases, Relay, RemoteWorker, node_of
 from ftrun.agent.env import worker_env
 from ftrun.agent.failures import WorkerFailure, describe_failure, format_report
 from ftrun.agent.output import Console2, WorkerOutput, render_prefix
 from ftrun.agent.recovery import Coordinator
 from ftrun.agent.workers import Worker, WorkerSlot, spawn_worker
-from ftrun import control, registry
 from ftrun.config import STDERR, STDOUT, LaunchConfig
 from ftrun.errors import EXIT_OK, EXIT_SIGNAL_BASE, EXIT_WORKERS_FAILED
 from ftrun.events import EventLog
+from ftrun.protocol import UID_STRIDE
 from ftrun.store import StoreHost
 
 
@@ -37,8 +39,8 @@ def default_runs_root() -> Path:
         return Path(tempfile.mkdtemp(prefix="ftrun_"))
 
 
-MAIL_INTERVAL = 0.2
-"""Seconds between two looks at this node's mailbox in the store."""
+STORE_TIMEOUT = 300.0
+"""Seconds an agent's store calls may wait (a follower waits this long for node 0 to serve the store)."""
 
 
 @dataclass
@@ -54,25 +56,32 @@ class AttemptResult:
 class Agent:
     """Runs the job on this node: attempts, group restarts within --max-restarts, the final report."""
 
-    def __init__(self, config: LaunchConfig, store_host: StoreHost, console: Console2) -> None:
+    def __init__(self, config: LaunchConfig, store_host: StoreHost | None, console: Console2) -> None:
         self.config = config
-        self.store_host = store_host
+        self.store_host = store_host  # None: another process serves the store (node 0, or the hostfile launcher)
         self.console = console
         root = config.log_dir or default_runs_root()
-        self.run_dir = root / f"{config.run_id}_{uuid.uuid4().hex[:8]}"
+        self.run_dir = root / (config.run_name or f"{config.run_id}_{uuid.uuid4().hex[:8]}")
+        if config.node_rank > 0:
+            self.run_dir = self.run_dir / f"node{config.node_rank}"
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.events = EventLog(self.run_dir / "events.jsonl")
         self.selector = selectors.DefaultSelector()
         self.workers: dict[int, Worker] = {}
+        self.remote: dict[int, RemoteWorker] = {}  # the leader's handles on other nodes' workers
         self.outputs: dict[int, WorkerOutput] = {}
-        self.next_uid = 0
+        self.first_uid = config.node_rank * UID_STRIDE
+        self.next_uid = self.first_uid
+        self.leader = config.node_rank == 0
         self.restart_count = 0
         self.stop_deadline: float | None = None
         self.pending_signal: int | None = None
-        self.coordinator: Coordinator  # one per attempt, made before its event loop starts
+        self.coordinator: Coordinator | Relay | None = None  # one per attempt, made before its event loop starts
+        self.result = AttemptResult()  # how the current attempt is going
         self.store = None  # the agent's own store handle, once the store is served
-        self.mailbox: control.Mailbox | None = None
-        self.next_mail_check = 0.0
+        self.mail: control.MailReader | None = None
+        self.leases: NodeLeases | None = None  # the leader's watch over the followers' leases
+        self.lease: LeaseKeeper | None = None  # a follower's own lease
         self.commands: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {"ping": self._ping}
         """Handlers of the commands posted to this node's mailbox (``ftrun inject``...), by their ``cmd``."""
 
@@ -86,14 +95,27 @@ class Agent:
         handled = set(self.config.signals_to_handle) | {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
         previous = {sig: signal.signal(sig, lambda *_: None) for sig in handled}
         self.selector.register(wake_r, selectors.EVENT_READ, ("signal", None))
-        self.events.write("start", run_id=self.config.run_id, command=self.config.command,
-                          nproc=self.config.nproc_per_node, store_port=self.store_host.port)
-        entry = registry.register(registry.new_entry(self.run_dir.name, self.config.run_id,
-                                                     self.config.master_addr, self.store_host.port, self.run_dir))
+        mail_r, self.mail_w = os.pipe()
+        os.set_blocking(mail_r, False)
+        os.set_blocking(self.mail_w, False)
+        self.selector.register(mail_r, selectors.EVENT_READ, ("mail", None))
+        self.events.write("start", run_id=self.config.run_id, command=self.config.command, node=self.config.node_rank,
+                          nproc=self.config.nproc_per_node, store_port=self.store_port)
+        entry = None
+        if not self.config.under_launcher:
+            entry = registry.register(registry.new_entry(self.run_dir.name, self.config.run_id,
+                                                         self.config.master_addr, self.store_port, self.run_dir))
         try:
-            return self._run_attempts(wake_r)
+            return self._run_attempts(wake_r, mail_r)
         finally:
-            registry.unregister(entry)
+            for service in (self.mail, self.lease):
+                if service is not None:
+                    service.stop()
+            if entry is not None:
+                registry.unregister(entry)
+            self.selector.unregister(mail_r)
+            os.close(mail_r)
+            os.close(self.mail_w)
             signal.set_wakeup_fd(previous_wakeup)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -102,7 +124,35 @@ class Agent:
             os.close(wake_w)
             self.events.close()
 
-    def _run_attempts(self, wake_r: int) -> int:
+    @property
+    def store_port(self) -> int:
+        """The port of the job's store."""
+        return self.store_host.port if self.store_host is not None else self.config.store.port
+
+    def _connect_store(self, timeout: float = STORE_TIMEOUT) -> Any:
+        """A new client connection to the job's store."""
+        host = "127.0.0.1" if self.store_host is not None else self.config.store.host
+        return control.open_store(host, self.store_port, timeout)
+
+    def _open_store(self) -> Any:
+        """Serve the store (or connect to it), and start this node's mailbox reader and lease."""
+        store = self.store_host.start() if self.store_host is not None else self._connect_store()
+        if self.leader:
+            store.set(control.JOB_KEY, json.dumps({"run_id": self.run_dir.name, "rdzv_id": self.config.run_id,
+                                                   "nnodes": self.config.min_nodes,
+                                                   "world_size": self.config.world_size,
+                                                   "run_dir": str(self.run_dir)}))
+        self.mail = control.MailReader(self._connect_store, control.node_box(self.config.node_rank), self.mail_w)
+        self.mail.start()
+        if self.config.multinode and self.leader:
+            self.leases = NodeLeases(store, list(range(1, self.config.min_nodes)), self.config.node_timeout)
+        elif self.config.multinode:
+            self.lease = LeaseKeeper(lambda: self._connect_store(self.config.node_timeout / 2),
+                                     self.config.node_rank, self.config.node_timeout)
+            self.lease.start()
+        return store
+
+    def _run_attempts(self, wake_r: int, mail_r: int) -> int:
         store = None
         while True:
             self._start_group()
@@ -111,14 +161,12 @@ class Agent:
                                 f"{len(self.workers)} workers (pids {pids}); events in {self.run_dir}/events.jsonl",
                                 style="dim")
             if store is None:
-                store = self.store = self.store_host.start()
-                store.set(control.JOB_KEY, json.dumps({"run_id": self.run_dir.name, "rdzv_id": self.config.run_id,
-                                                       "nnodes": self.config.min_nodes,
-                                                       "world_size": self.config.world_size,
-                                                       "run_dir": str(self.run_dir)}))
-                self.mailbox = control.Mailbox(store, control.node_box(self.config.node_rank))
-            self.coordinator = Coordinator(self, store)
-            result = self._watch(wake_r)
+                store = self.store = self._open_store()
+            self.coordinator = Coordinator(self, store) if self.leader else Relay(self, store, self.lease)
+            if isinstance(self.coordinator, Relay):
+                for worker in self.workers.values():
+                    self.coordinator.on_start(worker)
+            result = self._watch(wake_r, mail_r)
             self.events.write("attempt_end", attempt=self.restart_count, succeeded=result.succeeded,
                               signal=result.signal, reason=result.reason)
             if result.succeeded:
@@ -128,7 +176,13 @@ class Agent:
                 self.console.notice(f"ftrun: stopped by {signal.Signals(result.signal).name}; all workers stopped")
                 self.events.write("end", outcome="interrupted", signal=result.signal)
                 return EXIT_SIGNAL_BASE + result.signal
-            if self.restart_count < self.config.max_restarts:
+            if not self.leader:
+                self.console.notice(f"ftrun: node {self.config.node_rank}: {result.reason}", style="bold red")
+                self.events.write("end", outcome="failed", reason=result.reason)
+                return EXIT_WORKERS_FAILED
+            if self.config.multinode:
+                self._stop_followers(result.reason)
+            elif self.restart_count < self.config.max_restarts:
                 self.restart_count += 1
                 self.store_host.clear_worker_keys()  # the new group must not read the old one's addresses
                 self.console.notice(
@@ -143,27 +197,37 @@ class Agent:
     def _start_group(self) -> None:
         """Start nproc workers (and the spares) for a new attempt."""
         self.workers.clear()
-        self.next_uid = 0
+        self.next_uid = self.first_uid
         for local_rank in range(self.config.nproc_per_node):
-            self.start_worker(local_rank, rank=local_rank)
+            self.start_worker(local_rank, rank=self.config.rank_offset + local_rank)
         for index in range(self.config.recovery.spares):
             self.start_worker(self.config.nproc_per_node + index, rank=None)
 
-    def start_worker(self, local_rank: int, rank: int | None, respawn_of: WorkerSlot | None = None) -> Worker:
-        """Start one worker; ``rank`` None makes it a joiner (a spare, or ``respawn_of``'s replacement)."""
+    def start_worker(self, local_rank: int, rank: int | None, respawn_of: WorkerSlot | None = None) -> Worker | None:
+        """Start one worker; ``rank`` None makes it a joiner (a spare, or ``respawn_of``'s replacement).
+
+        The replacement of another node's worker is started by that node's agent (None is returned).
+        """
+        if respawn_of is not None and node_of(respawn_of.uid) != self.config.node_rank:
+            control.post(self.store, control.node_box(node_of(respawn_of.uid)),
+                         {"t": "start_worker", "uid": respawn_of.uid, "local_rank": local_rank,
+                          "rank": respawn_of.rank})
+            return None
         uid = self.next_uid
         self.next_uid += 1
         joiner = rank is None
         shown_rank = respawn_of.rank if respawn_of else (uid if joiner else rank)
         slot = WorkerSlot(uid=uid, worker_id=f"{self.config.node_rank}:{uid}", local_rank=local_rank,
                           rank=shown_rank, spare=joiner)
-        attempt_dir = self.run_dir / f"attempt_{self.restart_count}" / (str(local_rank) if uid == local_rank
-                                                                          else f"{local_rank}.{uid}")
+        first = uid - self.first_uid == local_rank
+        attempt_dir = self.run_dir / f"attempt_{self.restart_count}" / (str(local_rank) if first
+                                                                          else f"{local_rank}.{uid - self.first_uid}")
         env = worker_env(self.config, rank=shown_rank, local_rank=local_rank, uid=uid,
-                         restart_count=self.restart_count, store_port=self.store_host.port,
+                         restart_count=self.restart_count, store_port=self.store_port,
                          run_dir=str(self.run_dir), spare=joiner)
         worker = spawn_worker(slot, self.config.command, env, attempt_dir / "error.json")
-        prefix = render_prefix(self.config.log_line_prefix_template, self.config.role, shown_rank, local_rank)
+        prefix = render_prefix(self.config.log_line_prefix_template, self.config.role, shown_rank, local_rank,
+                               self.config.node_name)
         if joiner and respawn_of is None:
             prefix = f"[spare{uid}]:"
         console_mask = 0 if (self.config.local_ranks_filter is not None
@@ -178,12 +242,14 @@ class Agent:
         self.selector.register(worker.pidfd, selectors.EVENT_READ, ("exit", uid))
         self.selector.register(worker.channel, selectors.EVENT_READ, ("channel", uid))
         self.events.write("worker_start", uid=uid, rank=shown_rank, local_rank=local_rank, pid=worker.pid,
-                          joiner=joiner, attempt=self.restart_count)
+                          joiner=joiner, attempt=self.restart_count, node=self.config.node_rank)
+        if isinstance(self.coordinator, Relay):
+            self.coordinator.on_start(worker)
         return worker
 
-    def live_workers(self) -> list[Worker]:
-        """Workers that have not ended."""
-        return [w for w in self.workers.values() if w.exitcode is None]
+    def live_workers(self) -> list[Worker | RemoteWorker]:
+        """Workers that have not ended: this node's, and (on the leader) the other nodes'."""
+        return [w for w in (*self.workers.values(), *self.remote.values()) if w.exitcode is None]
 
     def stop_all(self, sig: int = signal.SIGTERM) -> None:
         """Signal every live worker and give them --shutdown-timeout seconds before SIGKILL."""
@@ -193,9 +259,9 @@ class Agent:
             self.stop_deadline = time.monotonic() + self.config.shutdown_timeout
 
     # -------------------------------------------------------------- loop
-    def _watch(self, wake_r: int) -> AttemptResult:
-        """The event loop of one attempt: output, exits, control messages, signals, deadlines."""
-        result = AttemptResult()
+    def _watch(self, wake_r: int, mail_r: int) -> AttemptResult:
+        """The event loop of one attempt: output, exits, control messages, mail, signals, deadlines."""
+        result = self.result = AttemptResult()
         self.stop_deadline = None
         while self.live_workers():
             timeout = self.config.monitor_interval
@@ -206,17 +272,20 @@ class Agent:
                 elif kind == "channel":
                     self._read_channel(data)
                 elif kind == "exit":
-                    self._on_exit(data, result)
+                    self._on_exit(data)
                 elif kind == "signal":
                     self._on_signal(wake_r, result)
+                elif kind == "mail":
+                    self._read_mail(mail_r)
             now = time.monotonic()
+            if self.leases is not None:
+                for node, since in self.leases.expired(now):
+                    self._node_lost(node, f"its lease expired (no renewal for {self.config.node_timeout:g} s)",
+                                    since)
             if self.stop_deadline is not None and now > self.stop_deadline:
                 for worker in self.live_workers():
                     worker.send_signal(signal.SIGKILL)
                 self.stop_deadline = now + 3600
-            if now >= self.next_mail_check:
-                self._read_mail()
-                self.next_mail_check = now + MAIL_INTERVAL
             if self.stop_deadline is None:
                 fallback = self.coordinator.tick(now)
                 if fallback:
@@ -230,20 +299,95 @@ class Agent:
         result.succeeded = result.signal is None and not result.reason and self.coordinator.succeeded()
         return result
 
-    def _read_mail(self) -> None:
-        """Run the commands posted to this node's mailbox and answer each."""
-        for message in self.mailbox.poll():
-            handler = self.commands.get(message.get("cmd", ""))
-            if handler is None:
-                answer = {"ok": False, "error": f"this agent does not know the command {message.get('cmd')!r}"}
+    def _read_mail(self, mail_r: int) -> None:
+        """Handle what arrived in this node's mailbox: commands (answered), and the other nodes' news."""
+        try:
+            os.read(mail_r, 4096)
+        except BlockingIOError:
+            pass
+        for message in self.mail.take():
+            if "cmd" in message:
+                handler = self.commands.get(message["cmd"])
+                if handler is None:
+                    answer = {"ok": False, "error": f"this agent does not know the command {message['cmd']!r}"}
+                else:
+                    answer = handler(message)
+                control.reply(self.store, message, answer)
+            elif self.leader:
+                self._from_follower(message)
             else:
-                answer = handler(message)
-            control.reply(self.store, message, answer)
+                self._from_leader(message)
+
+    def _from_follower(self, message: dict[str, Any]) -> None:
+        """A follower's news of its workers (or the hostfile launcher's news of a follower's end)."""
+        kind, uid = message["t"], message.get("uid")
+        if kind == "node_gone":
+            if message["node"] in self.leases.seen:
+                self._node_lost(message["node"], message["reason"])
+            return
+        if kind == "worker_start":
+            slot = WorkerSlot(uid=uid, worker_id=f"{node_of(uid)}:{uid}", local_rank=message["local_rank"],
+                              rank=message["rank"], spare=message["spare"])
+            self.remote[uid] = RemoteWorker(self.store, slot, message["pid"])
+            self.events.write("worker_start", uid=uid, rank=slot.rank, local_rank=slot.local_rank,
+                              pid=message["pid"], joiner=slot.spare, attempt=self.restart_count, node=node_of(uid))
+            return
+        worker = self.remote.get(uid)
+        if worker is None or worker.exitcode is not None:
+            return  # a worker of a node already declared lost
+        if kind == "msg":
+            self.coordinator.on_message(worker, message["msg"])
+        elif kind == "exit":
+            worker.exitcode = message["code"]
+            self.events.write("worker_exit", uid=uid, rank=worker.slot.rank, pid=worker.pid,
+                              exitcode=worker.exitcode, node=node_of(uid))
+            if worker.exitcode == 0:
+                self.coordinator.on_finished(worker)
+            elif self.stop_deadline is None:
+                self._workers_failed([(worker, WorkerFailure(**message["failure"]))])
+
+    def _from_leader(self, message: dict[str, Any]) -> None:
+        """The leader's word for this node: a message for a worker, a signal, a worker to start, a stop."""
+        kind, uid = message["t"], message.get("uid")
+        worker = self.workers.get(uid)
+        if kind == "relay" and worker is not None and worker.exitcode is None:
+            worker.send(message["data"].encode())
+        elif kind == "signal" and worker is not None:
+            worker.send_signal(message["sig"])
+        elif kind == "start_worker":  # the replacement of this node's worker ``uid``
+            slot = WorkerSlot(uid=uid, worker_id=f"{self.config.node_rank}:{uid}", local_rank=message["local_rank"],
+                              rank=message["rank"])
+            self.start_worker(slot.local_rank, rank=None, respawn_of=slot)
+        elif kind == "stop":
+            self.coordinator.stop_reason = message["reason"]
+
+    def _stop_followers(self, reason: str) -> None:
+        """The leader gives up: every other node stops its workers too."""
+        for node in range(1, self.config.min_nodes):
+            control.post(self.store, control.node_box(node), {"t": "stop", "reason": f"the leader stopped: {reason}"})
+
+    def _node_lost(self, node: int, why: str, since: float | None = None) -> None:
+        """The leader declares ``node`` lost (gone since ``since``, wall clock): its workers are one fault."""
+        self.leases.forget(node)
+        lost = [w for w in self.remote.values() if node_of(w.uid) == node and w.exitcode is None]
+        if not lost:
+            return  # its workers had all ended: it was done, not lost
+        self.events.write("node_lost", node=node, reason=why, ranks=[w.slot.rank for w in lost])
+        self.console.notice(f"ftrun: node {node} lost: {why}", style="bold yellow")
+        when = since or time.time()
+        faults = []
+        for worker in lost:
+            worker.exitcode = -signal.SIGKILL
+            faults.append((worker, WorkerFailure(worker.slot.rank, worker.slot.local_rank, worker.pid,
+                                                 -signal.SIGKILL, when, f"node {node} lost: {why}", "")))
+        if faults and self.stop_deadline is None:
+            self._workers_failed(faults)
 
     def _ping(self, message: dict[str, Any]) -> dict[str, Any]:
         """Answer ``ping``: who this agent is and which ranks it runs."""
         return {"ok": True, "node_rank": self.config.node_rank, "pid": os.getpid(), "attempt": self.restart_count,
-                "ranks": {str(w.slot.rank): w.pid for w in self.live_workers() if not w.slot.spare}}
+                "ranks": {str(w.slot.rank): w.pid for w in self.workers.values()
+                          if w.exitcode is None and not w.slot.spare}}
 
     def _unregister(self, worker: Worker) -> None:
         for obj in (worker.proc.stdout, worker.proc.stderr, worker.pidfd, worker.channel):
@@ -289,23 +433,28 @@ class Agent:
             if line:
                 self.coordinator.on_message(worker, json.loads(line))
 
-    def _on_exit(self, uid: int, result: AttemptResult) -> None:
+    def _on_exit(self, uid: int) -> None:
         worker = self.workers[uid]
         self.selector.unregister(worker.pidfd)
         code = worker.reap()
         self._drain(uid)
-        self.events.write("worker_exit", uid=uid, rank=worker.slot.rank, pid=worker.pid, exitcode=code)
+        self.events.write("worker_exit", uid=uid, rank=worker.slot.rank, pid=worker.pid, exitcode=code,
+                          node=self.config.node_rank)
         if code == 0 or self.stop_deadline is not None:
             if code == 0:
                 self.coordinator.on_finished(worker)
             return
         failure = describe_failure(worker.slot.rank, worker.slot.local_rank, worker.pid, code, worker.error_file,
                                    self.outputs[uid].stderr_tail)
-        if self.coordinator.on_fault(worker, failure):
+        self._workers_failed([(worker, failure)])
+
+    def _workers_failed(self, faults: list[tuple[Worker | RemoteWorker, WorkerFailure]]) -> None:
+        """Recover in place from failed workers, or end the attempt."""
+        if self.coordinator.on_faults(faults):
             return
-        result.failures.append(failure)
-        result.reason = f"worker failure: {failure.summary()}"
-        self.events.write("group_failure", reason=result.reason)
+        self.result.failures.extend(failure for _, failure in faults)
+        self.result.reason = f"worker failure: {faults[0][1].summary()}"
+        self.events.write("group_failure", reason=self.result.reason)
         self.stop_all()
 
     def _on_signal(self, wake_r: int, result: AttemptResult) -> None:

@@ -46,6 +46,7 @@ def worker_env(
         TORCHELASTIC_USE_AGENT_STORE="True",
         TORCHELASTIC_SIGNALS_TO_HANDLE=",".join(s.name for s in config.signals_to_handle),
         FTRUN_UID=str(uid),
+        FTRUN_NODE_SIZES=",".join(map(str, config.sizes)),
         FTRUN_RUN_DIR=run_dir,
         FTRUN_SPARE="1" if spare else "0",
         FTRUN_RECOVERY="1" if config.recovery.enabled else "0",

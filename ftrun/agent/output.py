@@ -43,10 +43,10 @@ class Console2:
             self.err.file.flush()
 
 
-def render_prefix(template: str, role: str, rank: int, local_rank: int) -> str:
+def render_prefix(template: str, role: str, rank: int, local_rank: int, hostname: str | None = None) -> str:
     """Expand torchrun's prefix macros: ${role_name}, ${rank}, ${local_rank}, ${hostname}."""
     return Template(template).safe_substitute(
-        role_name=role, rank=rank, local_rank=local_rank, hostname=socket.gethostname()
+        role_name=role, rank=rank, local_rank=local_rank, hostname=hostname or socket.gethostname()
     )
 
 

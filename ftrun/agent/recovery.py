@@ -15,6 +15,7 @@ from ftrun.protocol import Plan
 
 if TYPE_CHECKING:
     from ftrun.agent.agent import Agent
+    from ftrun.agent.cluster import RemoteWorker
     from ftrun.agent.failures import WorkerFailure
     from ftrun.agent.workers import Worker
 
@@ -24,7 +25,7 @@ class Recovery:
     """One recovery in progress: from the first fault noticed to the first step committed after it."""
 
     kind: str  # "fault" or "join"
-    started: float  # time.time() the fault was noticed (or the joiner became ready)
+    started: float  # time.time() the fault happened, as far as is known (or the joiner became ready)
     before: Plan  # the generation the fault hit: lost ranks are named by their rank in it
     committed_before: int
     lost_ranks: list[int] = field(default_factory=list)
@@ -33,6 +34,7 @@ class Recovery:
     gen: int = 0
     reports: dict[int, dict[str, Any]] = field(default_factory=dict)
     waiting_since: float | None = None  # below --min-nproc: waiting for joiners since
+    noticed: float = field(default_factory=time.time)  # when ftrun learned of it (later for a lost node)
 
 
 @dataclass
@@ -61,7 +63,7 @@ class Coordinator:
         self.store = store
         self.config = agent.config.recovery
         self.target = agent.config.world_size
-        self.plan = Plan(0, list(range(self.target)))
+        self.plan = Plan(0, protocol.initial_members(agent.config.sizes))
         self.adopted: set[int] = set()
         self.ready: list[int] = []
         self.finished: set[int] = set()  # exited with code 0
@@ -74,16 +76,20 @@ class Coordinator:
         self.watchdog = HangWatchdog(agent, HangPolicy(fixed=self.config.hang_timeout))
 
     # --------------------------------------------------------------- inputs
-    def on_message(self, worker: Worker, message: dict[str, Any]) -> None:
-        """A control message from a worker."""
+    def on_message(self, worker: Worker | RemoteWorker, message: dict[str, Any]) -> None:
+        """A control message from a worker (another node's, relayed by its agent, which watches its hangs)."""
         uid, kind = worker.uid, message.get("t")
+        watchdog = self.watchdog if uid in self.agent.workers else None
         if kind == protocol.HELLO:
             self.adopted.add(uid)
-            self.watchdog.started(uid)
+            if watchdog:
+                watchdog.started(uid)
         elif kind == protocol.ENTERED:
-            self.watchdog.entered(uid, message["step"])
+            if watchdog:
+                watchdog.entered(uid, message["step"])
         elif kind == protocol.FINISHED:
-            self.watchdog.finished(uid)
+            if watchdog:
+                watchdog.finished(uid)
             self.left_loop.add(uid)
             if self.recovery is not None and self.recovery.kind == "join":
                 self.recovery = None  # a joiner placed as training ended: nothing left for it to join
@@ -99,7 +105,8 @@ class Coordinator:
         elif kind == protocol.PROGRESS:
             self.trained.add(uid)
             self.last_step[uid] = message["step"]
-            self.watchdog.committed(uid, message["step"], message["step_time"])
+            if watchdog:
+                watchdog.committed(uid, message["step"], message["step_time"])
             if self.recovery and message["gen"] == self.recovery.gen:
                 self._recovered(message)
 
@@ -109,42 +116,54 @@ class Coordinator:
         if self.succeeded():
             self.agent.stop_all()
 
-    def on_fault(self, worker: Worker, failure: WorkerFailure) -> bool:
-        """A worker failed; True when the survivors recover in place, False to restart the group."""
-        uid = worker.uid
+    def on_faults(self, faults: list[tuple[Worker | RemoteWorker, WorkerFailure]]) -> bool:
+        """Workers failed together (a node lost): one new generation without them; False to restart the group."""
         if not self.config.enabled:
             return False
         if self.rescue is not None:
             return True  # the group restarts as soon as the survivors' state is saved
-        if uid in self.ready or uid not in self.plan.members:
-            if uid in self.ready:
-                self.ready.remove(uid)
-            self.agent.events.write("joiner_lost", uid=uid, how=failure.how)
+        members = []
+        for worker, failure in faults:
+            if worker.uid in self.ready or worker.uid not in self.plan.members:
+                if worker.uid in self.ready:
+                    self.ready.remove(worker.uid)
+                self.agent.events.write("joiner_lost", uid=worker.uid, how=failure.how)
+            else:
+                members.append((worker, failure))
+        if not members:
             return True
-        survivors = [m for m in self.plan.members if m != uid and m not in self.finished]
+        lost = {worker.uid for worker, _ in members}
+        survivors = [m for m in self.plan.members if m not in lost and m not in self.finished]
         reason = why_not_in_place(self.plan.members, self.adopted, len(survivors), len(self.ready) + (
             1 if self.config.respawn else 0), self.config.min_nproc)
         if reason is not None:
-            self.agent.events.write("recovery_refused", uid=uid, reason=reason)
+            for uid in lost:
+                self.agent.events.write("recovery_refused", uid=uid, reason=reason)
             if not all(m in self.adopted for m in self.plan.members):
                 return False
             self._give_up(reason)  # the survivors hold good state: save it, then restart the group
             return True
         if self.recovery is None:
-            self.recovery = Recovery("fault", failure.when, self.plan, max(self.last_step.values(), default=-1))
+            first = min(failure.when for _, failure in members)
+            self.recovery = Recovery("fault", first, self.plan, max(self.last_step.values(), default=-1))
         before = self.recovery.before
-        rank = before.rank_of(uid) if uid in before.members else self.plan.rank_of(uid)
-        self.recovery.lost_ranks.append(rank)
-        self.recovery.lost_uids.append(uid)
-        self.agent.events.write("fault", uid=uid, rank=rank, pid=failure.pid, how=failure.how,
-                                message=failure.message, gen=self.plan.gen)
+        ranks = []
+        for worker, failure in members:
+            rank = before.rank_of(worker.uid) if worker.uid in before.members else self.plan.rank_of(worker.uid)
+            ranks.append(rank)
+            self.recovery.lost_ranks.append(rank)
+            self.recovery.lost_uids.append(worker.uid)
+            self.agent.events.write("fault", uid=worker.uid, rank=rank, pid=failure.pid, how=failure.how,
+                                    message=failure.message, gen=self.plan.gen)
         if len(survivors) + len(self.ready) < self.config.min_nproc:
             self.recovery.waiting_since = self.recovery.waiting_since or time.time()
             self.plan = Plan(self.plan.gen, survivors)
         else:
-            self._issue(next_plan(self.plan, {uid}, self.ready, self.target, f"lost rank {rank}"))
+            what = f"lost rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+            self._issue(next_plan(self.plan, lost, self.ready, self.target, what))
         if self.config.respawn:  # after the plan: starting a process is not on the survivors' path
-            self.agent.start_worker(worker.slot.local_rank, rank=None, respawn_of=worker.slot)
+            for worker, _ in members:
+                self.agent.start_worker(worker.slot.local_rank, rank=None, respawn_of=worker.slot)
         return True
 
     def tick(self, now: float) -> str | None:
@@ -155,8 +174,9 @@ class Coordinator:
             return self._rescued(wall)
         recovery = self.recovery
         if recovery is None:
-            stuck = self.watchdog.check([m for m in self.plan.members if m not in self.finished])
-            if stuck:
+            stuck = self.watchdog.check([m for m in self.plan.members if m not in self.finished
+                                         and m in self.agent.workers])
+            if stuck and not self.agent.config.multinode:  # other nodes' ranks may be busy: their agents judge
                 self._give_up(stuck)
             return None
         if recovery.waiting_since is not None and wall - recovery.waiting_since > self.config.join_timeout:
@@ -203,7 +223,7 @@ class Coordinator:
         self.store.set(f"ftrun/a{self.agent.restart_count}/gen", str(plan.gen))
         data = (message + "\n").encode()
         for worker in self.agent.live_workers():
-            self._send(worker, data)
+            worker.send(data)
         self.agent.events.write("generation", gen=plan.gen, members=plan.members, reason=plan.reason,
                                 lost=plan.lost, joiners=plan.joiners, world_size=plan.world_size)
 
@@ -211,7 +231,8 @@ class Coordinator:
         """The first step of the new generation committed: the recovery is over; record and announce it."""
         recovery, self.recovery = self.recovery, None
         done = first_commit["time"]
-        phases = {"detect": 0.0, "plan": round(recovery.plan_sent - recovery.started, 6)}
+        phases = {"detect": round(max(0.0, recovery.noticed - recovery.started), 6),
+                  "plan": round(recovery.plan_sent - max(recovery.noticed, recovery.started), 6)}
         for name in ("abort", "rendezvous", "agree", "transfer"):
             phases[name] = max((r["timings"][name] for r in recovery.reports.values()), default=0.0)
         recovered_at = max((r["plan_received"] + sum(r["timings"].values()) for r in recovery.reports.values()),
@@ -244,7 +265,7 @@ class Coordinator:
         self.rescue = Rescue(reason, time.time() + RESCUE_TIMEOUT, live)
         for worker in self.agent.live_workers():
             if worker.uid in live:
-                self._send(worker, protocol.encode(protocol.SAVE))
+                worker.send(protocol.encode(protocol.SAVE))
 
     def _rescued(self, wall: float) -> str | None:
         """The fallback reason once every live worker saved its state (or the deadline passed)."""
@@ -256,10 +277,3 @@ class Coordinator:
         if best < 0:
             return rescue.reason
         return f"{rescue.reason}; the state of step {best} was saved for the restart"
-
-    @staticmethod
-    def _send(worker: Worker, data: bytes) -> None:
-        try:
-            worker.channel.sendall(data)
-        except OSError:
-            pass  # it is ending; its exit comes through the event loop

@@ -15,7 +15,7 @@ _PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Runs in the child between fork and exec: SIGKILL it if the agent dies, even by SIGKILL."""
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
@@ -69,6 +69,13 @@ class Worker:
             if pipe is not None:
                 pipe.close()
 
+    def send(self, data: bytes) -> None:
+        """Write control messages to the worker; one that is ending is left alone (its exit comes anyway)."""
+        try:
+            self.channel.sendall(data)
+        except OSError:
+            pass
+
     def send_signal(self, sig: int) -> None:
         """Signal the worker's whole process group (its own children included); ignore a finished one."""
         if self.exitcode is None:
@@ -91,7 +98,7 @@ def spawn_worker(slot: WorkerSlot, command: list[str], env: dict[str, str], erro
         stderr=subprocess.PIPE,
         pass_fds=(worker_end.fileno(),),
         start_new_session=True,
-        preexec_fn=_die_with_parent,
+        preexec_fn=die_with_parent,
     )
     worker_end.close()
     agent_end.setblocking(False)

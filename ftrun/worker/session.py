@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ftrun import protocol
-from ftrun.protocol import Plan
+from ftrun.protocol import Plan, initial_members
 from ftrun.worker.channel import AgentChannel
 from ftrun.worker.group import Communicator, Superseded
 from ftrun.worker.state import Stateful, load_rescue, pack, save_rescue, unpack
@@ -70,7 +70,8 @@ class Session:
                                  self.backend, timeout)
         self.channel = AgentChannel(int(os.environ["FTRUN_CHANNEL_FD"]), self._on_message)
         faulthandler.register(protocol.STACK_DUMP_SIGNAL, all_threads=True)  # the agent's hang watchdog asks
-        first = None if self.spare else Plan(0, list(range(int(os.environ["WORLD_SIZE"]))))
+        sizes = [int(n) for n in os.environ.get("FTRUN_NODE_SIZES", os.environ["WORLD_SIZE"]).split(",")]
+        first = None if self.spare else Plan(0, initial_members(sizes))
         with self._cond:
             self._latest = self._latest or first or Plan(-1, [])
         if first is None:
