@@ -81,6 +81,27 @@ def test_remote_command_stops_when_ssh_goes(sshd, how):
     proc.wait(timeout=20)
 
 
+
+def test_killed_ssh_stops_a_remote_launcher_and_its_workers(sshd, launcher_env, workload, tmp_path):
+    """The single-node launcher stands in for the agent: when its ssh client is killed it gets SIGTERM and
+    stops its workers, so neither it nor they outlive the connection."""
+    env = forwarded_env(launcher_env, extra=["XDG_CACHE_HOME"])
+    argv = [sys.executable, "-m", "ftrun", "--nproc-per-node", "2", workload("wait_forever.py"), str(tmp_path)]
+    proc = start("127.0.0.1", argv, sshd.ssh_options, env, os.getcwd())
+    for line in proc.stderr:
+        if ", attempt 0:" in line:
+            break
+    else:
+        raise AssertionError(f"the launcher ended before starting its workers (exit {proc.wait()})")
+    workers = [psutil.Process(int(pid)) for pid in line.split("(pids ")[1].split(")")[0].split()]
+    launcher = workers[0].parent()
+    remote = [launcher.parent(), launcher, *workers]
+    assert "ftrun-remote" in remote[0].cmdline()
+    proc.kill()
+    _, alive = psutil.wait_procs(remote, timeout=30)
+    assert alive == []
+    proc.wait(timeout=20)
+
 def test_normal_exit_leaves_nothing_behind(sshd):
     out, err, status = finish(start("127.0.0.1", [sys.executable, "-c", PIDS, "exit"], sshd.ssh_options))
     assert status == 0, err
@@ -114,8 +135,8 @@ def test_rejected_key_is_reported_with_ssh_message(sshd, ssh_keys):
 def test_describe_ssh_failure_cases():
     stderr = "** WARNING: connection is not using a post-quantum key exchange\r\nssh: connect to host n1 port 22: No route to host\n\n"
     assert describe_ssh_failure("n1", 255, stderr) == "cannot reach host n1 over ssh: ssh: connect to host n1 port 22: No route to host"
-    assert describe_ssh_failure("n1", 255, "") == "cannot reach host n1 over ssh: no message"
-    assert describe_ssh_failure("n1", -9, "") == "ssh to host n1 was killed by signal 9: no message"
+    assert describe_ssh_failure("n1", 255, "") == "cannot reach host n1 over ssh: ssh printed no message"
+    assert describe_ssh_failure("n1", -9, "") == "ssh to host n1 was killed by signal 9: ssh printed no message"
 
 
 @needs_ssh

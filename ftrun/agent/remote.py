@@ -52,19 +52,16 @@ _PATTERN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\*?")
 
 # Runs "$@" with stdin from /dev/null and stops it with SIGTERM when ssh's stdin (kept on fd 3 for the
 # watcher) reaches end of file; exits with the command's status. The watcher uses the `read` builtin so
-# that killing it leaves no process behind.
-_SUPERVISOR = """\
-exec 3<&0 0</dev/null
-"$@" 3<&- &
-child=$!
-(while read -r _; do :; done; kill -TERM "$child") 0<&3 3<&- >/dev/null 2>&1 &
-watcher=$!
-exec 3<&-
-wait "$child"
-status=$?
-kill "$watcher" 2>/dev/null
-exit "$status"
-"""
+# that killing it leaves no process behind. One line: csh-family login shells refuse newlines in quotes.
+_SUPERVISOR = (
+    'exec 3<&0 0</dev/null; '
+    '"$@" 3<&- & child=$!; '
+    '(while read -r _; do :; done; kill -TERM "$child") 0<&3 3<&- >/dev/null 2>&1 & watcher=$!; '
+    'exec 3<&-; '
+    'wait "$child"; status=$?; '
+    'kill "$watcher" 2>/dev/null; '
+    'exit "$status"'
+)
 
 
 def _local_names() -> set[str]:
@@ -167,7 +164,7 @@ def ssh_argv(host: str, remote_argv: Sequence[str], env: Mapping[str, str], cwd:
 def _ssh_message(stderr: str) -> str:
     """ssh's own error: the last non-empty line of its stderr."""
     lines = [line.strip() for line in stderr.replace("\r", "\n").splitlines() if line.strip()]
-    return lines[-1] if lines else "no message"
+    return lines[-1] if lines else "ssh printed no message"
 
 
 def describe_ssh_failure(host: str, returncode: int, stderr: str) -> str:
