@@ -7,7 +7,6 @@ given a command prefix such as ``ip netns exec NAME``) and returns once sshd say
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import threading

@@ -75,6 +75,7 @@ def _local_names() -> set[str]:
 
 
 def _is_loopback(address: str) -> bool:
+    """Whether ``address`` is an IP address on the loopback network (127.0.0.0/8, ::1)."""
     try:
         return ipaddress.ip_address(address.split("%", 1)[0]).is_loopback
     except ValueError:
@@ -135,8 +136,8 @@ def _ssh_base(port: int | None, options: Sequence[str], connect_timeout: float) 
     """``ssh`` and its options. ssh keeps the first value it sees for a setting, so the port and the
     caller's options come before ftrun's defaults and override them."""
     port_args = [] if port is None else ["-p", str(port)]
-    return ["ssh", *port_args, *options, "-o", "BatchMode=yes", "-o", f"ConnectTimeout={max(1, round(connect_timeout))}",
-            *SERVER_ALIVE]
+    timeout = max(1, round(connect_timeout))
+    return ["ssh", *port_args, *options, "-o", "BatchMode=yes", "-o", f"ConnectTimeout={timeout}", *SERVER_ALIVE]
 
 
 def remote_command(remote_argv: Sequence[str], env: Mapping[str, str], cwd: str) -> str:
@@ -188,7 +189,7 @@ def probe(host: str, *, port: int | None = None, options: Sequence[str] = (), co
         done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True,
                               timeout=connect_timeout + 30)
     except FileNotFoundError:
-        raise UsageError(f"cannot reach host {host}: the ssh client is not installed (install openssh-client)") from None
+        raise UsageError(f"cannot reach host {host}: ssh is not installed here (install openssh-client)") from None
     except subprocess.TimeoutExpired:
         raise UsageError(f"cannot reach host {host} over ssh: no answer after {connect_timeout + 30:g} s") from None
     if done.returncode != 0:
