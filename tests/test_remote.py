@@ -82,6 +82,18 @@ def test_remote_command_stops_when_ssh_goes(sshd, how):
 
 
 
+
+def test_closing_stdin_stops_the_remote_command_and_keeps_its_last_words(sshd):
+    """The graceful stop: with the connection still up, what the command prints while stopping and its exit
+    status reach the launcher."""
+    graceful = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit('stopping on SIGTERM')); "
+                "print('ready', flush=True); time.sleep(300)")
+    proc = start("127.0.0.1", [sys.executable, "-c", graceful], sshd.ssh_options)
+    assert proc.stdout.readline() == "ready\n"
+    proc.stdin.close()
+    assert proc.stderr.read() == "stopping on SIGTERM\n"
+    assert proc.wait(timeout=30) == 1
+
 def test_killed_ssh_stops_a_remote_launcher_and_its_workers(sshd, launcher_env, workload, tmp_path):
     """The single-node launcher stands in for the agent: when its ssh client is killed it gets SIGTERM and
     stops its workers, so neither it nor they outlive the connection."""
