@@ -22,6 +22,7 @@ User settings, both read from the launcher's environment:
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 import shlex
@@ -64,9 +65,15 @@ _SUPERVISOR = (
 )
 
 
+@functools.cache
+def _host_names() -> frozenset[str]:
+    """This machine's names, lower-cased; looked up once, as finding the FQDN may wait on DNS."""
+    return frozenset({"localhost", socket.gethostname().lower(), socket.getfqdn().lower()})
+
+
 def _local_names() -> set[str]:
-    """This machine's host names and interface addresses, lower-cased."""
-    names = {"localhost", socket.gethostname().lower(), socket.getfqdn().lower()}
+    """This machine's host names and current interface addresses, lower-cased."""
+    names = set(_host_names())
     for addresses in psutil.net_if_addrs().values():
         for address in addresses:
             if address.family in (socket.AF_INET, socket.AF_INET6):
