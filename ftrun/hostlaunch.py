@@ -126,7 +126,9 @@ class HostLauncher:
             proc = subprocess.Popen(argv, env={**os.environ, **ours}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, start_new_session=True, preexec_fn=die_with_parent)
         else:
-            command = remote.ssh_argv(host.name, argv, {**remote.forwarded_env(os.environ), **ours}, os.getcwd())
+            command = remote.ssh_argv(host.name, argv, {**remote.forwarded_env(os.environ), **ours}, os.getcwd(),
+                                      options=remote.ssh_options(os.environ))
+            # the remote agent lives as long as ssh's stdin stays open: closing it stops the agent (SIGTERM)
             proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     start_new_session=True, preexec_fn=die_with_parent)
         agent = AgentProcess(node, host, local, proc)
@@ -214,19 +216,23 @@ class HostLauncher:
         return None
 
     def _stop_agents(self) -> float:
-        """SIGTERM every agent still running (over ssh: end the connection, which ends the remote agent)."""
+        """SIGTERM every agent still running (over ssh: close ssh's stdin, and the remote side sends it)."""
         for agent in self.agents:
-            if agent.exitcode is None:
+            if agent.exitcode is not None:
+                continue
+            if agent.local:
                 try:
                     os.killpg(agent.proc.pid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
+            elif not agent.proc.stdin.closed:
+                agent.proc.stdin.close()
         return time.monotonic() + self.config.shutdown_timeout + 5
 
 
 def _probe_error(host: str) -> str | None:
     try:
-        remote.probe(host)
+        remote.probe(host, options=remote.ssh_options(os.environ))
     except UsageError as error:
         return str(error)
     return None

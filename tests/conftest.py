@@ -97,3 +97,52 @@ def live_job(private_registry):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+@pytest.fixture(scope="session")
+def ssh_keys(tmp_path_factory: pytest.TempPathFactory):
+    """Host and client keys for the test sshd servers (skips the test if OpenSSH is not installed)."""
+    from sshd import Keys, missing_tools
+
+    missing = missing_tools()
+    if missing:
+        pytest.skip(f"no real sshd: {missing}")
+    return Keys.make(tmp_path_factory.mktemp("ssh"))
+
+
+@pytest.fixture
+def sshd(ssh_keys, free_port):
+    """A real sshd on 127.0.0.1 and a free port, logging in as this user with the test's client key."""
+    from sshd import Sshd
+
+    server = Sshd.start(ssh_keys, "127.0.0.1", free_port())
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def netns_hosts(ssh_keys):
+    """Two network-namespace hosts on a bridge (tests/netns.py), each running sshd on port 22.
+
+    Yields the Network; ``network.gateway`` is the root namespace's address on the bridge. Skipped with
+    ip's own error where namespaces cannot be made (not root, no iproute2, a restricted container).
+    """
+    from netns import Network, NetnsError, unsupported
+    from sshd import Sshd
+
+    reason = unsupported()
+    if reason:
+        pytest.skip(f"network namespaces unavailable: {reason}")
+    try:
+        network = Network.create(2)
+    except NetnsError as error:
+        pytest.skip(f"namespace hosts cannot be connected here: {error}")
+    servers = []
+    try:
+        for host in network.hosts:
+            servers.append(Sshd.start(ssh_keys, host.address, 22, prefix=host.prefix))
+        yield network
+    finally:
+        for server in servers:
+            server.stop()
+        network.delete()
