@@ -57,8 +57,9 @@ def run(
     nnodes: str = _opt("--nnodes", help="Number of nodes, N or MIN:MAX.", default="1:1"),
     node_rank: Optional[int] = _opt("--node-rank", "--node_rank",
                                     help="Rank of this node (default 0, or SLURM_NODEID under Slurm)."),
-    master_addr: str = _opt("--master-addr", "--master_addr", help="Address of the store host (static rendezvous).",
-                            default="127.0.0.1"),
+    master_addr: Optional[str] = _opt("--master-addr", "--master_addr",
+                                      help="Address of the store host (static rendezvous; default 127.0.0.1, "
+                                      "with --hostfile this machine's name)."),
     master_port: Optional[int] = _opt("--master-port", "--master_port",
                                       help="Port of the store (static rendezvous). Default: a free port."),
     rdzv_backend: str = _opt("--rdzv-backend", "--rdzv_backend", help="static or c10d (ftrun hosts the store).",

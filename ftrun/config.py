@@ -232,7 +232,7 @@ def build_config(
     script_args: list[str],
     nproc_per_node: str | None,
     nnodes: str,
-    master_addr: str,
+    master_addr: str | None,
     master_port: int | None,
     rdzv_backend: str,
     rdzv_endpoint: str,
@@ -303,13 +303,13 @@ def build_config(
     nproc = resolve_nproc(nproc_per_node)
     if standalone and max_nodes > 1:
         raise UsageError("--standalone is for one node: remove it, or --nnodes/--hostfile")
-    store, addr = _store_endpoint(rdzv_backend, rdzv_endpoint, master_addr, master_port, standalone)
+    store, addr = _store_endpoint(rdzv_backend, rdzv_endpoint, master_addr or "127.0.0.1", master_port, standalone)
     node_sizes = _node_sizes(os.environ.get("FTRUN_NODE_SIZES", ""), max_nodes, node_rank, nproc)
     if hosts is not None:
         node_sizes = tuple(nproc if nproc_per_node else (h.slots or nproc) for h in hosts)
-        if not rdzv_endpoint and master_port is None:
-            addr = "localhost" if all(is_local(h.name) for h in hosts) else socket.getfqdn()
-            store = Endpoint(addr, 0)
+        if not rdzv_endpoint:
+            addr = master_addr or ("localhost" if all(is_local(h.name) for h in hosts) else socket.getfqdn())
+            store = Endpoint(addr, master_port or 0)
     if standalone or (rdzv_backend == "static" and not rdzv_endpoint and master_port is None):
         run_id = str(uuid.uuid4())
         rdzv_backend = "c10d"

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from conftest import FTRUN
+from netns import HOST_IFNAME
 
 EXAMPLE = str(Path(__file__).resolve().parents[1] / "examples" / "train_ddp.py")
 STEPS = 60
@@ -84,13 +87,80 @@ def test_a_lost_node_is_evicted_and_the_other_nodes_workers_train_on(launcher_en
     assert len(generations) == 1  # both ranks of the node leave in one generation
 
 
-def test_hostfile_with_local_hosts_starts_an_agent_per_host(run_ftrun, tmp_path, baseline):
-    hostfile = tmp_path / "hosts"
-    hostfile.write_text("localhost slots=2\n127.0.0.1 slots=2  # the same machine, by another name\n")
-    result = run_ftrun("--hostfile", hostfile, EXAMPLE, "--steps", STEPS, timeout=180)
-    assert result.returncode == 0, result.stderr
-    assert losses(result.stdout) == baseline
-    assert result.stderr.count(", attempt 0: 2 workers") == 2
+def hostfile_job(network, ssh_keys, tmp_path: Path, env: dict[str, str], *extra: str) -> subprocess.Popen:
+    """`ftrun --hostfile` over the namespace hosts, through their real sshd, with the store on the bridge."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("".join(f"{host.address} slots=2\n" for host in network.hosts))
+    env = {**env, "GLOO_SOCKET_IFNAME": HOST_IFNAME, "FTRUN_SSH_OPTS": shlex.join(ssh_keys.client_options())}
+    return subprocess.Popen([*FTRUN, "--hostfile", str(hosts), "--master-addr", network.gateway, "--log-dir",
+                             str(tmp_path / "logs"), *extra, EXAMPLE, "--steps", str(STEPS)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def agent_of_node(node: int) -> psutil.Process:
+    """The agent process of ``node`` (started by the launcher over ssh, on this same machine)."""
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if cmdline[1:3] == ["-m", "ftrun"] and "--node-rank" in cmdline and \
+                cmdline[cmdline.index("--node-rank") + 1] == str(node):
+            return proc
+    raise AssertionError(f"no agent for node {node}")
+
+
+def run_until(proc: subprocess.Popen, step: int, action) -> str:
+    """Read the job's stdout to its end, calling ``action`` once when rank 0 reports ``step``."""
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if f"step={step} " in line:
+            action()
+    return "".join(lines)
+
+
+def check_node_1_evicted(stdout: str, run_dir: Path, baseline: dict[int, float]) -> dict:
+    """Node 0's workers trained every step with the baseline's losses, after one recovery without node 1."""
+    trained = losses(stdout)
+    assert sorted(trained) == list(range(STEPS))
+    assert all(trained[s] == pytest.approx(baseline[s], rel=RTOL) for s in range(STEPS))
+    log = events(run_dir)
+    (recovery,) = [e for e in log if e["event"] == "recovery"]
+    assert recovery["lost_ranks"] == [2, 3] and recovery["world_after"] == 2 and recovery["steps_lost"] == 0
+    return next(e for e in log if e["event"] == "node_lost")
+
+
+def test_hostfile_over_ssh_trains_across_hosts_and_survives_a_killed_node(netns_hosts, ssh_keys, launcher_env,
+                                                                         tmp_path, baseline):
+    """Two namespace hosts x 2 workers through ssh; node 1's agent SIGKILLed at step 10 (its workers die with
+    it): its ssh session ends, the launcher tells the leader at once, node 0's workers train on."""
+    job = hostfile_job(netns_hosts, ssh_keys, tmp_path, launcher_env)
+    stdout = run_until(job, 10, lambda: agent_of_node(1).kill())
+    stderr = job.stderr.read()
+    assert job.wait(timeout=120) == 0, stderr
+    assert re.search(rf"^\[{re.escape(netns_hosts.hosts[0].address)}:0\]: step=0 ", stdout, re.M)
+    (run_dir,) = (tmp_path / "logs").iterdir()
+    lost = check_node_1_evicted(stdout, run_dir, baseline)
+    assert "agent on" in lost["reason"] and "node 1" in stderr
+    (recovery,) = [e for e in events(run_dir) if e["event"] == "recovery"]
+    assert recovery["phases"]["detect"] < 5  # told by the launcher, well before the 10 s lease ran out
+
+
+def test_a_partitioned_node_fences_itself_and_the_others_train_on(netns_hosts, ssh_keys, launcher_env, tmp_path,
+                                                                  baseline):
+    """Node 1's link is cut at step 10: it cannot renew its lease, so it kills its own workers; the leader
+    sees the lease run out and node 0's workers recover in place."""
+    host = netns_hosts.hosts[1]
+    job = hostfile_job(netns_hosts, ssh_keys, tmp_path, launcher_env, "--node-timeout", "3")
+    stdout = run_until(job, 10, lambda: netns_hosts.cut(host))
+    stderr = job.stderr.read()
+    assert job.wait(timeout=120) == 0, stderr
+    (run_dir,) = (tmp_path / "logs").iterdir()
+    lost = check_node_1_evicted(stdout, run_dir, baseline)
+    assert "lease expired" in lost["reason"]
+    node1 = events(run_dir / "node1")
+    fenced = next(e for e in node1 if e["event"] == "fenced")
+    assert "could not renew this node's lease" in fenced["reason"]
+    pids = [e["pid"] for e in node1 if e["event"] == "worker_start"]
+    assert len(pids) == 2 and not any(psutil.pid_exists(pid) for pid in pids)
 
 
 @pytest.mark.parametrize("args, message", [
