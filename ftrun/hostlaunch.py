@@ -190,9 +190,8 @@ class HostLauncher:
         if agent.node == 0:
             return True
         if agent.exitcode != 0:
-            why = self._why(agent)
-            self.console.notice(f"ftrun: the agent on {agent.host.name} (node {agent.node}) ended: {why}",
-                                style="bold yellow")
+            why = f"the agent on {agent.host.name} ended: {self._why(agent)}"
+            self.console.notice(f"ftrun: node {agent.node}: {why}", style="bold yellow")
             control.post(self.store, LEADER_BOX, {"t": "node_gone", "node": agent.node, "reason": why})
         return False
 
