@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(EXIT_USAGE)
     except UsageError as exc:
         print(f"ftrun: error: {exc}", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
+        sys.exit(exc.exit_code)
     except _ABORTS:
         sys.exit(130)
     sys.exit(code or 0)

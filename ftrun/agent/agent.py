@@ -18,6 +18,7 @@ from ftrun.agent.env import worker_env
 from ftrun.agent.failures import WorkerFailure, describe_failure, format_report
 from ftrun.agent.output import Console2, WorkerOutput, render_prefix
 from ftrun.agent.recovery import Coordinator
+from ftrun.agent.status_record import StatusPublisher
 from ftrun.agent.workers import Worker, WorkerSlot, spawn_worker
 from ftrun import control, registry
 from ftrun.config import STDERR, STDOUT, LaunchConfig
@@ -62,6 +63,7 @@ class Agent:
         self.run_dir = root / f"{config.run_id}_{uuid.uuid4().hex[:8]}"
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.events = EventLog(self.run_dir / "events.jsonl")
+        self.status = StatusPublisher(self)
         self.selector = selectors.DefaultSelector()
         self.workers: dict[int, Worker] = {}
         self.outputs: dict[int, WorkerOutput] = {}
@@ -87,7 +89,8 @@ class Agent:
         previous = {sig: signal.signal(sig, lambda *_: None) for sig in handled}
         self.selector.register(wake_r, selectors.EVENT_READ, ("signal", None))
         self.events.write("start", run_id=self.config.run_id, command=self.config.command,
-                          nproc=self.config.nproc_per_node, store_port=self.store_host.port)
+                          nproc=self.config.nproc_per_node, world_size=self.config.world_size,
+                          store_port=self.store_host.port)
         entry = registry.register(registry.new_entry(self.run_dir.name, self.config.run_id,
                                                      self.config.master_addr, self.store_host.port, self.run_dir))
         try:
@@ -120,7 +123,8 @@ class Agent:
             self.coordinator = Coordinator(self, store)
             result = self._watch(wake_r)
             self.events.write("attempt_end", attempt=self.restart_count, succeeded=result.succeeded,
-                              signal=result.signal, reason=result.reason)
+                              signal=result.signal, reason=result.reason,
+                              last_step=max(self.coordinator.last_step.values(), default=None))
             if result.succeeded:
                 self.events.write("end", outcome="succeeded")
                 return EXIT_OK
@@ -217,6 +221,7 @@ class Agent:
             if now >= self.next_mail_check:
                 self._read_mail()
                 self.next_mail_check = now + MAIL_INTERVAL
+            self.status.tick(now)
             if self.stop_deadline is None:
                 fallback = self.coordinator.tick(now)
                 if fallback:
