@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -138,6 +139,24 @@ def run(
     from ftrun.launch import launch
 
     raise typer.Exit(launch(config))
+
+
+@app.command(context_settings={"help_option_names": ["-h", "--help"]})
+def status(
+    endpoint: Optional[str] = typer.Option(None, "--endpoint", help="HOST:PORT of the job's store (from anywhere)."),
+    run_id: Optional[str] = typer.Option(None, "--run-id", help="The job's run id (or --rdzv-id); "
+                                         "a job that ended is summarised from its event log."),
+    log_dir: Optional[Path] = typer.Option(None, "--log-dir", help="Where the job's run directory is (its --log-dir)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document instead of the table."),
+    watch: bool = typer.Option(False, "--watch", help="Refresh the display in place until Ctrl-C."),
+) -> None:
+    """Show the live health of a running job (or summarise one that ended).
+
+    Exit status: 0 healthy, 1 degraded (or an ended job that did not succeed), 3 no such job.
+    """
+    from ftrun.status.command import status as show
+
+    raise typer.Exit(show(endpoint, run_id, log_dir, as_json, watch))
 
 
 def _with_default_command(argv: list[str]) -> list[str]:

@@ -7,6 +7,7 @@ It imports nothing from the agent.
 
 from __future__ import annotations
 
+import signal
 import statistics
 from collections import deque
 from typing import Any
@@ -21,9 +22,22 @@ RECENT_RECOVERIES = 10
 """How many recoveries a tally keeps in full (every latency counts towards the median)."""
 
 _EVENT_FIELDS = ("time", "event", "rank", "pid", "how", "gen", "world_size", "reason", "lost_ranks",
-                 "world_before", "world_after", "latency", "steps_lost", "outcome", "attempt", "silent_for")
+                 "world_before", "world_after", "latency", "steps_lost", "outcome", "attempt", "silent_for",
+                 "last_step", "signal")
 _RECOVERY_FIELDS = ("time", "kind", "gen", "latency", "phases", "lost_ranks", "world_before", "world_after",
                     "steps_lost", "resumed_at_step")
+
+
+def exit_reason(exitcode: int | None) -> str | None:
+    """How a process ended: ``SIGKILL`` for a signal, ``exit 3`` for a code; None while it runs."""
+    if exitcode is None:
+        return None
+    if exitcode < 0:
+        try:
+            return signal.Signals(-exitcode).name
+        except ValueError:
+            return f"signal {-exitcode}"
+    return f"exit {exitcode}"
 
 
 def brief(event: dict[str, Any]) -> dict[str, Any]:

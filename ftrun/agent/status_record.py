@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import time
 from collections import deque
@@ -21,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from ftrun import control
-from ftrun.tally import EventTally
+from ftrun.tally import EventTally, exit_reason
 
 if TYPE_CHECKING:
     from ftrun.agent.agent import Agent
@@ -46,18 +45,6 @@ def worker_state(exitcode: int | None, member: bool, spare: bool, recovering: bo
     if member:
         return "recovering" if recovering else "running"
     return "spare" if spare else "joining"
-
-
-def exit_reason(exitcode: int | None) -> str | None:
-    """How a worker ended: ``SIGKILL`` for a signal, ``exit 3`` for a code; None while it runs."""
-    if exitcode is None:
-        return None
-    if exitcode < 0:
-        try:
-            return signal.Signals(-exitcode).name
-        except ValueError:
-            return f"signal {-exitcode}"
-    return f"exit {exitcode}"
 
 
 class StatusPublisher:
