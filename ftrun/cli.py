@@ -182,6 +182,6 @@ def main(argv: list[str] | None = None) -> None:
     except UsageError as exc:
         print(f"ftrun: error: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)
-    except _ABORTS:
+    except (*_ABORTS, KeyboardInterrupt):
         sys.exit(130)
     sys.exit(code or 0)

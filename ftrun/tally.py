@@ -56,7 +56,7 @@ class EventTally:
         self.world_initial: int | None = None
         self.world_size: int | None = None
         self.gen = 0
-        self.attempts = 0  # attempts that ended (group restarts = attempts - 1 while running)
+        self.attempt = 0  # the attempt running (or the last one): the number of group restarts so far
         self.last_step: int | None = None
         self.faults = 0
         self.faults_survived = 0  # ranks lost and recovered from in place
@@ -82,8 +82,8 @@ class EventTally:
                 self.faults_survived += len(event.get("lost_ranks", []))
         elif kind == "recovery_failed":
             self.recovery_failures += 1
-        elif kind == "attempt_end":
-            self.attempts += 1
+        elif kind == "worker_start" and event.get("attempt", 0) > self.attempt:
+            self.attempt = event["attempt"]
             self.gen, self.world_size = 0, self.world_initial  # a group restart starts from the full group
         elif kind == "end":
             self.ended, self.outcome = event["time"], event.get("outcome")
@@ -97,7 +97,7 @@ class EventTally:
         return {
             "run_id": self.run_id, "started": self.started, "ended": self.ended, "outcome": self.outcome,
             "world_size_initial": self.world_initial, "world_size": self.world_size, "generation": self.gen,
-            "restarts": max(0, self.attempts - 1) if self.ended else self.attempts, "step": self.last_step,
+            "restarts": self.attempt, "step": self.last_step,
             "faults": self.faults, "faults_survived": self.faults_survived,
             "recovery_failures": self.recovery_failures,
             "recoveries": {"count": len(self.latencies), "recent": list(self.recoveries),

@@ -123,15 +123,17 @@ def test_status_of_a_live_job_through_a_fault_and_after_it_ends(live_job, launch
     assert f"run {entry.run_id}" in screen and "DEGRADED" in screen and "world 3/4" in screen
     for rank in (0, 1, 3):
         assert re.search(rf"^\s+0\s+{rows[pids[rank]]['rank']}\s+{rank}\s+{pids[rank]}\s+running\s+\d+", screen, re.M)
-    assert re.search(rf"^\s+0\s+2\s+2\s+{pids[2]}\s+lost \(SIGKILL\)", screen, re.M), screen
-    assert re.search(r"recoveries 1: last \d+\.\d+ s \(detect .* first_step \d", screen)
+    assert re.search(rf"^\s+0\s+\(2\)\s+2\s+{pids[2]}\s+lost \(SIGKILL\)", screen, re.M), screen
+    assert re.search(r"recoveries 1: last \d+\.\d+ s \(detect \d+ .* first_step \d+ ms\)", screen)
 
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 128 + signal.SIGTERM
     code, doc = status_json(capsys, "--run-id", entry.run_id)  # not running: summarised from its event log
     assert code == 1 and doc["state"] == "ended" and doc["outcome"] == "interrupted"
     assert (doc["faults"], doc["faults_survived"], doc["recoveries"]["count"]) == (1, 1, 1)
-    assert doc["step"] >= after + 10
+    assert doc["step"] >= after + 10 and (doc["generation"], doc["world_size"]) == (1, 3)
+    ended = {w["pid"]: (w["rank"], w["state"]) for w in doc["workers"]}
+    assert ended[pids[2]] == (2, "lost") and all(ended[pids[r]][1] == "stopped" for r in (0, 1, 3))
     code, out = status(capsys, "--log-dir", entry.run_dir)
     assert code == 1 and "ended: interrupted" in out and "recoveries 1: last" in out
 

@@ -81,18 +81,27 @@ def _worker_row(node: dict[str, Any], worker: dict[str, Any]) -> dict[str, Any]:
 
 
 def _last_workers(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The workers of the last attempt as the event log left them: rank, pid and how each ended."""
+    """The workers of the last attempt as the event log left them: their last rank, pid and how each ended."""
     attempt = max((e.get("attempt", 0) for e in events if e["event"] == "worker_start"), default=0)
-    starts = [e for e in events if e["event"] == "worker_start" and e.get("attempt", 0) == attempt]
-    pids = {e["pid"] for e in starts}
-    exits = {e["pid"]: e["exitcode"] for e in events if e["event"] == "worker_exit" and e["pid"] in pids}
-    lost = {e["pid"] for e in events if e["event"] == "fault"}
+    first = next((i for i, e in enumerate(events) if e["event"] == "worker_start" and e.get("attempt", 0) == attempt),
+                 len(events))
+    last = events[first:]
+    starts = [e for e in last if e["event"] == "worker_start"]
+    exits = {e["uid"]: e["exitcode"] for e in last if e["event"] == "worker_exit"}
+    lost = {e["uid"]: e["rank"] for e in last if e["event"] == "fault"}
+    members = next((e["members"] for e in reversed(last) if e["event"] == "generation"), None)
     rows = []
     for start in starts:
-        code = exits.get(start["pid"])
-        state = "lost" if start["pid"] in lost else "finished" if code == 0 else "stopped" if code else "unknown"
-        rows.append({"node": 0, "host": None, "rank": None if start.get("joiner") else start["rank"],
-                     "local_rank": start["local_rank"], "pid": start["pid"], "state": state,
-                     "exit": exit_reason(code), "step": None, "step_time": None, "cpu_percent": None,
-                     "rss": None, "since_progress": None, **{name: None for name in GPU_FIELDS.values()}})
+        uid, code = start["uid"], exits.get(start["uid"])
+        state = "lost" if uid in lost else "finished" if code == 0 else "stopped" if code else "unknown"
+        if uid in lost:
+            rank = lost[uid]  # its rank in the generation it was lost from
+        elif members is not None:  # the last generation's rank; none for a spare never placed
+            rank = members.index(uid) if uid in members else None
+        else:  # generation 0: the launch ranks, spares have none
+            rank = None if start.get("joiner") else start["rank"]
+        rows.append({"node": 0, "host": None, "rank": rank, "local_rank": start["local_rank"], "pid": start["pid"],
+                     "state": state, "exit": exit_reason(code), "step": None, "step_time": None,
+                     "since_progress": None, "cpu_percent": None, "rss": None,
+                     **{name: None for name in GPU_FIELDS.values()}})
     return rows

@@ -69,8 +69,8 @@ def recovery_line(doc: dict[str, Any]) -> Text:
     last = recoveries["last"]
     if last is None:
         return Text("recoveries 0", style="dim")
-    phases = " ".join(f"{name} {last['phases'][name]:.3f}" for name in PHASES if name in last.get("phases", {}))
-    return Text(f"recoveries {recoveries['count']}: last {last['latency']:.3f} s ({phases}), "
+    phases = " ".join(f"{name} {last['phases'][name] * 1000:.0f}" for name in PHASES if name in last["phases"])
+    return Text(f"recoveries {recoveries['count']}: last {last['latency']:.3f} s ({phases} ms), "
                 f"median {recoveries['median_latency']:.3f} s")
 
 
@@ -85,7 +85,8 @@ def worker_table(doc: dict[str, Any]) -> Table:
         if w["exit"]:
             state.append(f" ({w['exit']})")
         mem = NONE if w["gpu_mem_used"] is None else f"{size(w['gpu_mem_used'])}/{size(w['gpu_mem_total'])}"
-        table.add_row(str(w["node"]), _or_none(w["rank"]), str(w["local_rank"]), str(w["pid"]), state,
+        rank = f"({w['rank']})" if w["state"] == "lost" and w["rank"] is not None else _or_none(w["rank"])
+        table.add_row(str(w["node"]), rank, str(w["local_rank"]), str(w["pid"]), state,
                       _or_none(w["step"]), NONE if w["step_time"] is None else f"{w['step_time'] * 1000:.0f}ms",
                       duration(w["since_progress"]), _or_none(w["cpu_percent"], "{:.0f}"), size(w["rss"]),
                       _or_none(w["gpu_index"]), _or_none(w["gpu_util"], "{:.0f}"), mem,
