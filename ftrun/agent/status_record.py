@@ -107,7 +107,7 @@ class StatusPublisher:
         rank = coordinator.plan.rank_of(uid)
         if rank is not None:
             self.last_rank[uid] = rank
-        progress = coordinator.watchdog.progress.get(uid)
+        progress = coordinator.watchdog.progress.get(uid) if worker.exitcode is None else None
         state = worker_state(worker.exitcode, rank is not None, worker.slot.spare,
                              coordinator.recovery is not None, uid in coordinator.watchdog.killing)
         cpu, rss = self._usage(worker.pid) if worker.exitcode is None else (None, None)
@@ -115,8 +115,7 @@ class StatusPublisher:
                 "pid": worker.pid, "state": state, "exit": exit_reason(worker.exitcode),
                 "step": coordinator.last_step.get(uid),
                 "step_time": progress.step_times[-1] if progress and progress.step_times else None,
-                "since_progress": time.monotonic() - progress.last if progress and worker.exitcode is None
-                else None,
+                "since_progress": time.monotonic() - progress.last if progress else None,
                 "cpu_percent": cpu, "rss": rss, "gpu": gpu}
 
     def _usage(self, pid: int) -> tuple[float | None, int | None]:

@@ -84,6 +84,8 @@ def worker_table(doc: dict[str, Any]) -> Table:
         state = Text(w["state"], style=STATE_STYLE.get(w["state"], ""))
         if w["exit"]:
             state.append(f" ({w['exit']})")
+        if w["evicted"]:
+            state.append(" evicted", style="bold red")
         mem = NONE if w["gpu_mem_used"] is None else f"{size(w['gpu_mem_used'])}/{size(w['gpu_mem_total'])}"
         rank = f"({w['rank']})" if w["state"] == "lost" and w["rank"] is not None else _or_none(w["rank"])
         table.add_row(str(w["node"]), rank, str(w["local_rank"]), str(w["pid"]), state,
