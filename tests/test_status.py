@@ -65,14 +65,16 @@ def status_json(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, dict]:
     return code, doc
 
 
-def poll(capsys: pytest.CaptureFixture, condition, *args: str, timeout: float = 60) -> tuple[int, dict]:
-    """`ftrun status --json ARGS` again until ``condition(doc)`` holds (the records change once a second)."""
+def poll(capsys: pytest.CaptureFixture, steps: Steps, condition, *args: str, timeout: float = 60) -> tuple[int, dict]:
+    """`ftrun status --json ARGS` until ``condition(doc)`` holds; between two tries the job trains 20 more steps
+    (its records change once a second), within ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while True:
         code, doc = status_json(capsys, *args)
         if condition(doc):
             return code, doc
         assert time.monotonic() < deadline, f"condition never held; last document: {json.dumps(doc, indent=1)}"
+        steps.reach(steps.step + 20, timeout=max(0.0, deadline - time.monotonic()))
 
 
 def rendered(doc: dict) -> str:
@@ -95,18 +97,20 @@ def test_status_of_a_live_job_through_a_fault_and_after_it_ends(live_job, launch
     steps.reach(3)
     pids = worker_pids(entry.run_dir)
 
-    code, doc = poll(capsys, lambda d: all(w["step"] is not None for w in d["workers"]))  # found in the registry
+    # found through the run registry, once every worker committed a step
+    code, doc = poll(capsys, steps, lambda d: all(w["step"] is not None for w in d["workers"]))
     assert code == 0 and doc["health"] == "healthy" and doc["state"] == "running"
     assert (doc["run_id"], doc["world_size"], doc["world_size_initial"], doc["generation"]) == (entry.run_id, 4, 4, 0)
     assert {w["rank"]: w["pid"] for w in doc["workers"]} == pids
     assert all(w["state"] == "running" and w["rss"] > 0 for w in doc["workers"])
     first = doc["step"]
     steps.reach(first + 10)
-    code, doc = poll(capsys, lambda d: d["step"] >= first + 10 and d["steps_per_s"], "--endpoint", entry.endpoint)
+    code, doc = poll(capsys, steps, lambda d: d["step"] >= first + 10 and d["steps_per_s"],
+                     "--endpoint", entry.endpoint)
     assert code == 0 and all(w["step"] is not None and w["step"] > first for w in doc["workers"])
 
     os.kill(pids[2], signal.SIGKILL)
-    code, doc = poll(capsys, lambda d: d["recoveries"]["count"] == 1 and d["state"] == "running",
+    code, doc = poll(capsys, steps, lambda d: d["recoveries"]["count"] == 1 and d["state"] == "running",
                      "--run-id", entry.run_id)
     assert code == 1 and doc["health"] == "degraded"
     assert (doc["world_size"], doc["generation"], doc["faults"], doc["faults_survived"]) == (3, 1, 1, 1)
@@ -183,6 +187,6 @@ def test_gpu_health_reaches_the_row_and_a_hung_rank_degrades_the_job():
     assert (first["gpu_index"], first["gpu_util"], first["ecc_uncorrected"], first["last_xid"]) == (5, 97, 2, 79)
     assert second["gpu_index"] is None and second["gpu_temperature"] is None
     screen = rendered(doc)
-    assert re.search(r"^\s+0\s+0\s+0\s+4242\s+running\s+7\s+500ms\s+0\.1s\s+99\s+3\.0G\s+5\s+97\s+40G/80G\s+71C\s+2\s+79$",
-                     screen, re.M), screen
+    row = r"^\s+0\s+0\s+0\s+4242\s+running\s+7\s+500ms\s+0\.1s\s+99\s+3\.0G\s+5\s+97\s+40G/80G\s+71C\s+2\s+79$"
+    assert re.search(row, screen, re.M), screen
     assert re.search(r"^\s+0\s+1\s+1\s+4243\s+hung\s+7\s+500ms\s+0\.1s\s+99\s+3\.0G(\s+-){6}$", screen, re.M), screen
