@@ -146,7 +146,8 @@ def status(
     endpoint: Optional[str] = typer.Option(None, "--endpoint", help="HOST:PORT of the job's store (from anywhere)."),
     run_id: Optional[str] = typer.Option(None, "--run-id", help="The job's run id (or --rdzv-id); "
                                          "a job that ended is summarised from its event log."),
-    log_dir: Optional[Path] = typer.Option(None, "--log-dir", help="Where the job's run directory is (its --log-dir)."),
+    log_dir: Optional[Path] = typer.Option(None, "--log-dir",
+                                           help="The job's --log-dir, or its run directory: show the newest run."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document instead of the table."),
     watch: bool = typer.Option(False, "--watch", help="Refresh the display in place until Ctrl-C."),
 ) -> None:
