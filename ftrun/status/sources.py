@@ -48,12 +48,8 @@ class Target:
                                 f"(not an ftrun job's store, or an ftrun without `status`)") from None
         try:
             job = json.loads(self.store.get(control.STATUS_JOB_KEY))
-            nodes = []
-            while len(nodes) < job["nnodes"] or self.store.check([control.status_node_key(len(nodes))]):
-                key = control.status_node_key(len(nodes))
-                if not self.store.check([key]):
-                    break  # that node's agent has not published yet
-                nodes.append(json.loads(self.store.get(key)))
+            keys = [control.status_node_key(n) for n in range(job["nnodes"])]
+            nodes = [json.loads(self.store.get(key)) for key in keys if self.store.check([key])]  # published ones
         except RuntimeError as exc:  # the store went away: the job ended
             raise NoSuchJob(f"the job at {self.endpoint} is gone ({str(exc).splitlines()[0]})") from None
         return live_document(job, nodes, self.endpoint, time.time())
