@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -149,6 +150,25 @@ def run(
     raise typer.Exit(launch(config))
 
 
+@app.command(context_settings={"help_option_names": ["-h", "--help"]})
+def status(
+    endpoint: Optional[str] = typer.Option(None, "--endpoint", help="HOST:PORT of the job's store (from anywhere)."),
+    run_id: Optional[str] = typer.Option(None, "--run-id", help="The job's run id (or --rdzv-id); "
+                                         "a job that ended is summarised from its event log."),
+    log_dir: Optional[Path] = typer.Option(None, "--log-dir",
+                                           help="The job's --log-dir, or its run directory: show the newest run."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document instead of the table."),
+    watch: bool = typer.Option(False, "--watch", help="Refresh the display in place until Ctrl-C."),
+) -> None:
+    """Show the live health of a running job (or summarise one that ended).
+
+    Exit status: 0 healthy, 1 degraded (or an ended job that did not succeed), 3 no such job.
+    """
+    from ftrun.status.command import status as show
+
+    raise typer.Exit(show(endpoint, run_id, log_dir, as_json, watch))
+
+
 def _with_default_command(argv: list[str]) -> list[str]:
     """`ftrun [flags] script.py` means `ftrun run [flags] script.py`."""
     if argv and argv[0] not in SUBCOMMANDS and argv[0] not in ("--help", "-h"):
@@ -172,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(EXIT_USAGE)
     except UsageError as exc:
         print(f"ftrun: error: {exc}", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
-    except _ABORTS:
+        sys.exit(exc.exit_code)
+    except (*_ABORTS, KeyboardInterrupt):
         sys.exit(130)
     sys.exit(code or 0)

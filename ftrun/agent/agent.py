@@ -20,6 +20,7 @@ from ftrun.agent.env import worker_env
 from ftrun.agent.failures import WorkerFailure, describe_failure, format_report
 from ftrun.agent.output import Console2, WorkerOutput, render_prefix
 from ftrun.agent.recovery import Coordinator
+from ftrun.agent.status_record import StatusPublisher
 from ftrun.agent.workers import Worker, WorkerSlot, spawn_worker
 from ftrun.config import STDERR, STDOUT, LaunchConfig
 from ftrun.errors import EXIT_OK, EXIT_SIGNAL_BASE, EXIT_WORKERS_FAILED
@@ -66,6 +67,7 @@ class Agent:
             self.run_dir = self.run_dir / f"node{config.node_rank}"
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.events = EventLog(self.run_dir / "events.jsonl")
+        self.status = StatusPublisher(self)
         self.selector = selectors.DefaultSelector()
         self.workers: dict[int, Worker] = {}
         self.remote: dict[int, RemoteWorker] = {}  # the leader's handles on other nodes' workers
@@ -100,7 +102,8 @@ class Agent:
         os.set_blocking(self.mail_w, False)
         self.selector.register(mail_r, selectors.EVENT_READ, ("mail", None))
         self.events.write("start", run_id=self.config.run_id, command=self.config.command, node=self.config.node_rank,
-                          nproc=self.config.nproc_per_node, store_port=self.store_port)
+                          nproc=self.config.nproc_per_node, world_size=self.config.world_size,
+                          store_port=self.store_port)
         entry = None
         if not self.config.under_launcher:
             entry = registry.register(registry.new_entry(self.run_dir.name, self.config.run_id,
@@ -168,7 +171,8 @@ class Agent:
                     self.coordinator.on_start(worker)
             result = self._watch(wake_r, mail_r)
             self.events.write("attempt_end", attempt=self.restart_count, succeeded=result.succeeded,
-                              signal=result.signal, reason=result.reason)
+                              signal=result.signal, reason=result.reason,
+                              last_step=max(self.coordinator.last_step.values(), default=None))
             if result.succeeded:
                 self.events.write("end", outcome="succeeded")
                 return EXIT_OK
@@ -286,6 +290,7 @@ class Agent:
                 for worker in self.live_workers():
                     worker.send_signal(signal.SIGKILL)
                 self.stop_deadline = now + 3600
+            self.status.tick(now)
             if self.stop_deadline is None:
                 fallback = self.coordinator.tick(now)
                 if fallback:
