@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ftrun.errors import UsageError
+from ftrun.health.policy import DEFAULT_TABLE, load_table
+from ftrun.health.signals import Action
 
 STDOUT, STDERR = 1, 2
 
@@ -123,6 +125,7 @@ class RecoveryConfig:
     recovery_timeout: float = 30.0
     join_timeout: float = 60.0
     hang_timeout: float | None = None  # None: adaptive (see ftrun.health.hangs)
+    xid_policy: str | None = None  # --xid-policy: a TOML or JSON file of Xid overrides
 
 
 @dataclass
@@ -152,6 +155,8 @@ class LaunchConfig:
     shutdown_timeout: float = 30.0
     virtual_local_rank: bool = False
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    xid_table: dict[int, tuple[Action, str]] = field(default_factory=lambda: dict(DEFAULT_TABLE))
+    """Xid code -> (action, description): ftrun.health.policy.DEFAULT_TABLE with --xid-policy's overrides."""
 
     @property
     def world_size(self) -> int:
@@ -278,6 +283,10 @@ def build_config(
         raise UsageError("--hang-timeout must be a positive number of seconds")
     if not 1 <= recovery.min_nproc <= nproc:
         raise UsageError(f"--min-nproc {recovery.min_nproc} must be between 1 and the number of workers ({nproc})")
+    try:
+        xid_table = load_table(recovery.xid_policy) if recovery.xid_policy else dict(DEFAULT_TABLE)
+    except UsageError as exc:
+        raise UsageError(f"--xid-policy: {exc}") from None
     return LaunchConfig(
         command=_entrypoint(script, script_args, module, no_python, run_path),
         script=script,
@@ -302,6 +311,7 @@ def build_config(
         shutdown_timeout=shutdown_timeout,
         virtual_local_rank=virtual_local_rank,
         recovery=recovery,
+        xid_table=xid_table,
     )
 
 

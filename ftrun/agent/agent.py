@@ -16,6 +16,7 @@ from typing import Any
 
 from ftrun.agent.env import worker_env
 from ftrun.agent.failures import WorkerFailure, describe_failure, format_report
+from ftrun.agent.gpu_health import WAKE, GpuHealth
 from ftrun.agent.output import Console2, WorkerOutput, render_prefix
 from ftrun.agent.recovery import Coordinator
 from ftrun.agent.workers import Worker, WorkerSlot, spawn_worker
@@ -75,6 +76,10 @@ class Agent:
         self.next_mail_check = 0.0
         self.commands: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {"ping": self._ping}
         """Handlers of the commands posted to this node's mailbox (``ftrun inject``...), by their ``cmd``."""
+        self.gpu_health = GpuHealth(self, config.xid_table)
+        self.local_world = config.nproc_per_node
+        """Training workers this attempt starts on this node: fewer than --nproc-per-node after a GPU eviction."""
+        self.attempt_failure: str | None = None  # set by end_attempt: why the current attempt is being ended
 
     # ----------------------------------------------------------------- run
     def run(self) -> int:
@@ -86,6 +91,7 @@ class Agent:
         handled = set(self.config.signals_to_handle) | {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
         previous = {sig: signal.signal(sig, lambda *_: None) for sig in handled}
         self.selector.register(wake_r, selectors.EVENT_READ, ("signal", None))
+        self.gpu_health.start()
         self.events.write("start", run_id=self.config.run_id, command=self.config.command,
                           nproc=self.config.nproc_per_node, store_port=self.store_host.port)
         entry = registry.register(registry.new_entry(self.run_dir.name, self.config.run_id,
@@ -93,6 +99,7 @@ class Agent:
         try:
             return self._run_attempts(wake_r)
         finally:
+            self.gpu_health.stop()
             registry.unregister(entry)
             signal.set_wakeup_fd(previous_wakeup)
             for sig, handler in previous.items():
@@ -128,7 +135,10 @@ class Agent:
                 self.console.notice(f"ftrun: stopped by {signal.Signals(result.signal).name}; all workers stopped")
                 self.events.write("end", outcome="interrupted", signal=result.signal)
                 return EXIT_SIGNAL_BASE + result.signal
-            if self.restart_count < self.config.max_restarts:
+            refused = self._why_no_restart() if self.restart_count < self.config.max_restarts else None
+            if refused:
+                result.reason = f"{result.reason}; no group restart: {refused}"
+            elif self.restart_count < self.config.max_restarts:
                 self.restart_count += 1
                 self.store_host.clear_worker_keys()  # the new group must not read the old one's addresses
                 self.console.notice(
@@ -141,13 +151,36 @@ class Agent:
 
     # ----------------------------------------------------------- workers
     def _start_group(self) -> None:
-        """Start nproc workers (and the spares) for a new attempt."""
+        """Start one worker per usable local rank (and the spares) for a new attempt.
+
+        A local rank whose GPU was evicted gets no worker: the group is smaller, its ranks stay contiguous
+        and WORLD_SIZE says so.
+        """
         self.workers.clear()
         self.next_uid = 0
-        for local_rank in range(self.config.nproc_per_node):
-            self.start_worker(local_rank, rank=local_rank)
+        self.attempt_failure = None
+        local_ranks = [r for r in range(self.config.nproc_per_node) if self.gpu_health.usable(r)]
+        self.local_world = len(local_ranks)
+        for rank, local_rank in enumerate(local_ranks):
+            self.start_worker(local_rank, rank=rank)
         for index in range(self.config.recovery.spares):
-            self.start_worker(self.config.nproc_per_node + index, rank=None)
+            if self.gpu_health.usable(self.config.nproc_per_node + index):
+                self.start_worker(self.config.nproc_per_node + index, rank=None)
+
+    @property
+    def world_size(self) -> int:
+        """Training workers of the current attempt, all nodes: --nproc-per-node's less the evicted GPUs'."""
+        return self.config.world_size - (self.config.nproc_per_node - self.local_world)
+
+    def _why_no_restart(self) -> str | None:
+        """Why the group cannot restart on this node after GPU evictions, or None when it can."""
+        if self.gpu_health.node_evicted:
+            return "this node is evicted"
+        usable = sum(self.gpu_health.usable(r) for r in range(self.config.nproc_per_node))
+        if usable < self.config.recovery.min_nproc:
+            return (f"GPU evictions left {usable} usable GPU{'s' if usable != 1 else ''} on this node, "
+                    f"below --min-nproc {self.config.recovery.min_nproc}")
+        return None
 
     def start_worker(self, local_rank: int, rank: int | None, respawn_of: WorkerSlot | None = None) -> Worker:
         """Start one worker; ``rank`` None makes it a joiner (a spare, or ``respawn_of``'s replacement)."""
@@ -161,7 +194,8 @@ class Agent:
                                                                           else f"{local_rank}.{uid}")
         env = worker_env(self.config, rank=shown_rank, local_rank=local_rank, uid=uid,
                          restart_count=self.restart_count, store_port=self.store_host.port,
-                         run_dir=str(self.run_dir), spare=joiner)
+                         run_dir=str(self.run_dir), spare=joiner, world_size=self.world_size,
+                         local_world_size=self.local_world)
         worker = spawn_worker(slot, self.config.command, env, attempt_dir / "error.json")
         prefix = render_prefix(self.config.log_line_prefix_template, self.config.role, shown_rank, local_rank)
         if joiner and respawn_of is None:
@@ -192,6 +226,12 @@ class Agent:
         if self.stop_deadline is None:
             self.stop_deadline = time.monotonic() + self.config.shutdown_timeout
 
+    def end_attempt(self, reason: str) -> None:
+        """Kill every worker of this node now (SIGKILL): the attempt fails with ``reason``."""
+        self.attempt_failure = reason
+        self.events.write("group_failure", reason=reason)
+        self.stop_all(signal.SIGKILL)
+
     # -------------------------------------------------------------- loop
     def _watch(self, wake_r: int) -> AttemptResult:
         """The event loop of one attempt: output, exits, control messages, signals, deadlines."""
@@ -209,6 +249,8 @@ class Agent:
                     self._on_exit(data, result)
                 elif kind == "signal":
                     self._on_signal(wake_r, result)
+                elif kind == WAKE:
+                    self.gpu_health.drain()
             now = time.monotonic()
             if self.stop_deadline is not None and now > self.stop_deadline:
                 for worker in self.live_workers():
@@ -227,6 +269,7 @@ class Agent:
             self.outputs.pop(uid).close()
             self._unregister(worker)
             worker.close()
+        result.reason = self.attempt_failure or result.reason
         result.succeeded = result.signal is None and not result.reason and self.coordinator.succeeded()
         return result
 

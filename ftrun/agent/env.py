@@ -17,24 +17,28 @@ def worker_env(
     store_port: int,
     run_dir: str,
     spare: bool = False,
+    world_size: int | None = None,
+    local_world_size: int | None = None,
 ) -> dict[str, str]:
     """Build one worker's environment exactly as torchrun 2.14 does, plus FTRUN_* variables.
 
     ``uid`` is the worker's incarnation id, unique within a run; a spare gets the rank it would have if
-    it joined now, and FTRUN_SPARE=1.
+    it joined now, and FTRUN_SPARE=1. ``world_size`` and ``local_world_size`` default to the
+    configuration's; an attempt started without evicted GPUs' workers passes its smaller sizes.
     """
     env = dict(os.environ)
     if "OMP_NUM_THREADS" not in env and config.nproc_per_node > 1:
         env["OMP_NUM_THREADS"] = "1"
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-    world = config.world_size
+    world = config.world_size if world_size is None else world_size
+    local_world = config.nproc_per_node if local_world_size is None else local_world_size
     env.update(
         LOCAL_RANK="0" if config.virtual_local_rank else str(local_rank),
         RANK=str(rank),
         GROUP_RANK=str(config.node_rank),
         ROLE_RANK=str(rank),
         ROLE_NAME=config.role,
-        LOCAL_WORLD_SIZE=str(config.nproc_per_node),
+        LOCAL_WORLD_SIZE=str(local_world),
         WORLD_SIZE=str(world),
         GROUP_WORLD_SIZE=str(config.min_nodes),
         ROLE_WORLD_SIZE=str(world),

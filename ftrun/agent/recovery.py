@@ -60,7 +60,7 @@ class Coordinator:
         self.agent = agent
         self.store = store
         self.config = agent.config.recovery
-        self.target = agent.config.world_size
+        self.target = agent.world_size
         self.plan = Plan(0, list(range(self.target)))
         self.adopted: set[int] = set()
         self.ready: list[int] = []
@@ -111,7 +111,7 @@ class Coordinator:
 
     def on_fault(self, worker: Worker, failure: WorkerFailure) -> bool:
         """A worker failed; True when the survivors recover in place, False to restart the group."""
-        uid = worker.uid
+        uid, health = worker.uid, self.agent.gpu_health
         if not self.config.enabled:
             return False
         if self.rescue is not None:
@@ -120,10 +120,14 @@ class Coordinator:
             if uid in self.ready:
                 self.ready.remove(uid)
             self.agent.events.write("joiner_lost", uid=uid, how=failure.how)
+            if uid in health.restarts and health.usable(worker.slot.local_rank):  # restart a spare on its GPU
+                self.agent.start_worker(worker.slot.local_rank, rank=None, respawn_of=worker.slot)
             return True
         survivors = [m for m in self.plan.members if m != uid and m not in self.finished]
-        reason = why_not_in_place(self.plan.members, self.adopted, len(survivors), len(self.ready) + (
-            1 if self.config.respawn else 0), self.config.min_nproc)
+        # a replacement comes with --respawn, or for a GPU health restart without it; never on an evicted GPU
+        replace = (self.config.respawn or uid in health.restarts) and health.usable(worker.slot.local_rank)
+        reason = why_not_in_place(self.plan.members, self.adopted, len(survivors), len(self.ready) + replace,
+                                  self.config.min_nproc)
         if reason is not None:
             self.agent.events.write("recovery_refused", uid=uid, reason=reason)
             if not all(m in self.adopted for m in self.plan.members):
@@ -143,7 +147,7 @@ class Coordinator:
             self.plan = Plan(self.plan.gen, survivors)
         else:
             self._issue(next_plan(self.plan, {uid}, self.ready, self.target, f"lost rank {rank}"))
-        if self.config.respawn:  # after the plan: starting a process is not on the survivors' path
+        if replace:  # after the plan: starting a process is not on the survivors' path
             self.agent.start_worker(worker.slot.local_rank, rank=None, respawn_of=worker.slot)
         return True
 

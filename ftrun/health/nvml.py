@@ -283,7 +283,7 @@ class NvmlMonitor:
     def _emit(self, kind: str, gpu: int, value: int, detail: str) -> None:
         rank = self._ranks.get(gpu)
         signal = HealthSignal(kind, gpu, value, detail, self._clock(), rank)
-        log.warning("GPU %d (local rank %s): %s %d: %s", gpu, rank, kind, value, detail)
+        log.info("GPU %d (local rank %s): %s %d: %s", gpu, rank, kind, value, detail)
         try:
             self._on_signal(signal)
         except Exception:
