@@ -227,9 +227,10 @@ class Agent:
             self.stop_deadline = time.monotonic() + self.config.shutdown_timeout
 
     def end_attempt(self, reason: str) -> None:
-        """Kill every worker of this node now (SIGKILL): the attempt fails with ``reason``."""
-        self.attempt_failure = reason
-        self.events.write("group_failure", reason=reason)
+        """Kill every worker of this node now (SIGKILL): the attempt fails with ``reason`` (the first one given)."""
+        if self.attempt_failure is None:
+            self.attempt_failure = reason
+            self.events.write("group_failure", reason=reason)
         self.stop_all(signal.SIGKILL)
 
     # -------------------------------------------------------------- loop
