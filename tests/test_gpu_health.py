@@ -9,14 +9,23 @@ Everything else is real: processes, TCPStore, Gloo, in-place recovery.
 
 from __future__ import annotations
 
-import json
+import importlib.util
 import os
+import selectors
+import signal
 import subprocess
+import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType, SimpleNamespace
 
 import pytest
 
+from ftrun.agent.gpu_health import WAKE, GpuHealth
+from ftrun.events import EventLog, read_events
+from ftrun.health.policy import DEFAULT_TABLE
+from ftrun.health.signals import Action
 from test_recovery import (  # noqa: F401  (baseline and launch are fixtures)
     NO_WATCHDOG, NPROC, RTOL, STEPS, TRAINING, Run, baseline, check_steps, launch, read_run)
 
@@ -171,3 +180,112 @@ def test_bad_xid_policy_file_is_one_line_and_exit_2(run_ftrun, workload, tmp_pat
         f"ftrun: error: --xid-policy: health policy file {policy}: Xid 13: unknown action 'reboot' "
         "(choose from ignore, restart_rank, evict_gpu, evict_node)"]
 
+
+
+# ------------------------------------------------------------- GpuHealth in-process, with a stand-in agent
+class StubWorker:
+    """What GpuHealth reads of a worker, and the signals it was sent (with the thread that sent them)."""
+
+    def __init__(self, uid: int, local_rank: int) -> None:
+        self.uid, self.pid, self.slot = uid, 1000 + uid, SimpleNamespace(local_rank=local_rank)
+        self.signals: list[tuple[int, str]] = []
+
+    def send_signal(self, sig: int) -> None:
+        self.signals.append((sig, threading.current_thread().name))
+
+
+class StubAgent:
+    """The parts of the Agent GpuHealth uses: selector, event log, console, workers, end_attempt."""
+
+    def __init__(self, tmp_path: Path, nproc: int = 4) -> None:
+        self.selector = selectors.DefaultSelector()
+        self.events = EventLog(tmp_path / "events.jsonl")
+        self.notices: list[str] = []
+        self.console = SimpleNamespace(notice=lambda text, style="": self.notices.append(text))
+        self.config = SimpleNamespace(nproc_per_node=nproc, recovery=SimpleNamespace(spares=0))
+        self.workers = [StubWorker(uid, uid) for uid in range(nproc)]
+        self.ended: list[str] = []
+
+    def live_workers(self) -> list[StubWorker]:
+        return [w for w in self.workers if not w.signals]
+
+    def end_attempt(self, reason: str) -> None:
+        self.ended.append(reason)
+
+    def logged(self) -> list[dict]:
+        return [e for e in read_events(self.events.path) if e["event"] == "gpu_health"]
+
+
+@pytest.fixture
+def fake_nvml(monkeypatch) -> ModuleType:
+    """The stand-in pynvml (4 GPUs) as sys.modules['pynvml'], fresh for one test."""
+    spec = importlib.util.spec_from_file_location("pynvml", FAKE_NVML / "pynvml.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    return module
+
+
+@pytest.fixture
+def health_for(tmp_path):
+    """Build a started GpuHealth over a StubAgent; stopped after the test."""
+    made: list[GpuHealth] = []
+
+    def make(nproc: int = 4) -> tuple[GpuHealth, StubAgent]:
+        agent = StubAgent(tmp_path, nproc)
+        health = GpuHealth(agent, DEFAULT_TABLE, poll_interval=0.05)
+        health.start()
+        made.append(health)
+        return health, agent
+
+    yield make
+    for health in made:
+        health.stop()
+
+
+def test_a_monitor_signal_is_acted_on_by_the_loop_thread(fake_nvml, health_for, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,2")  # local rank 0 -> GPU 1, local rank 1 -> GPU 2
+    health, agent = health_for(nproc=2)
+    assert health.monitoring and health.gpu_of(1) == 2
+    fake_nvml.inject_xid(2, 48)
+    keys = [key for key, _ in agent.selector.select(10)]  # the wake pipe, as in the agent's loop
+    assert [key.data[0] for key in keys] == [WAKE]
+    health.drain()
+    victim = agent.workers[1]
+    assert victim.signals == [(signal.SIGKILL, threading.current_thread().name)] and not agent.workers[0].signals
+    assert health.evicted == {2} and not health.usable(1) and health.usable(0)
+    (event,) = agent.logged()
+    assert (event["kind"], event["gpu"], event["local_rank"], event["value"], event["action"], event["source"],
+            event["pids"]) == ("xid", 2, 1, 48, "evict_gpu", "nvml", [victim.pid])
+    assert agent.notices == ["ftrun: GPU health: GPU 2: Xid 48 (double-bit ECC error) -> evict_gpu"]
+
+
+def test_gpu_status_per_local_rank(fake_nvml, health_for):
+    health, agent = health_for()
+    health.inject("xid", 3, 74)  # NVLink error: evict GPU 3
+    status = health.gpu_status()
+    assert sorted(status) == [0, 1, 2, 3]
+    assert status[3] == {"gpu_index": 3, "util": 50, "mem_used": 10 << 30, "mem_total": 80 << 30,
+                         "temperature": 43, "ecc_uncorrected": 0, "last_xid": 74, "evicted": True}
+    assert status[0]["last_xid"] is None and not status[0]["evicted"]
+
+
+def test_without_nvml_drills_use_the_local_rank_as_a_virtual_gpu(health_for, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml fails
+    health, agent = health_for()
+    assert not health.monitoring and health.gpu_status() == {}
+    assert agent.notices == ["ftrun: GPU health monitoring is off: cannot import pynvml: "
+                             "import of pynvml halted; None in sys.modules"]
+    decision = health.inject("xid", 2, 13)
+    assert decision.action is Action.RESTART_RANK and health.restarts == {2} and health.usable(2)
+    assert [w.uid for w in agent.workers if w.signals] == [2]
+    assert health.inject("ecc_uncorrected", 1, 2).action is Action.EVICT_GPU and not health.usable(1)
+    assert health.inject("xid", 0, 92).action is Action.IGNORE and not agent.workers[0].signals
+    assert health.inject("gpu_lost", 0, 1).action is Action.EVICT_NODE
+    assert agent.ended == ["this node is evicted: GPU 0: GPU is lost (NVML_ERROR_GPU_IS_LOST)"]
+    assert not health.usable(3)  # nothing starts on an evicted node
+    assert [e["source"] for e in agent.logged()] == ["inject"] * 4
+    with pytest.raises(ValueError, match="unknown health signal kind 'xdi'"):
+        health.inject("xdi", 0, 13)
+    with pytest.raises(ValueError, match="local rank 4 is not on this node"):
+        health.inject("xid", 4, 13)

@@ -63,6 +63,7 @@ class GpuHealth:
         """Uids killed for a restart on the same GPU: the coordinator replaces each when its exit is seen."""
         self._last_xid: dict[int, int] = {}
         self._queue: queue.SimpleQueue[HealthSignal] = queue.SimpleQueue()
+        self._closed = False
         self._wake_r, self._wake_w = os.pipe()
         for fd in (self._wake_r, self._wake_w):
             os.set_blocking(fd, False)
@@ -80,6 +81,7 @@ class GpuHealth:
     def stop(self) -> None:
         """Stop the monitor (it shuts NVML down) and release the wake pipe."""
         self.monitor.stop()
+        self._closed = True
         self.agent.selector.unregister(self._wake_r)
         os.close(self._wake_r)
         os.close(self._wake_w)
@@ -90,6 +92,8 @@ class GpuHealth:
     def _post(self, health: HealthSignal) -> None:
         """Monitor thread: queue the signal and wake the event loop."""
         self._queue.put(health)
+        if self._closed:  # the monitor outlived stop()'s wait: nobody reads the queue any more
+            return
         try:
             os.write(self._wake_w, b"\0")
         except BlockingIOError:
@@ -159,12 +163,16 @@ class GpuHealth:
         """A drill: handle a ``kind`` signal with ``value`` for local rank ``local_rank``'s GPU, as if NVML sent it.
 
         ``kind`` is one of ``SIGNAL_KINDS`` (``xid`` with the Xid code, ``ecc_uncorrected`` with the
-        count...). ValueError for an unknown kind, or a local rank that has no GPU here.
+        count...). ValueError (one line) for an unknown kind, or a local rank this node does not run or
+        that has no GPU.
         """
         if kind not in SIGNAL_KINDS:
             raise ValueError(f"unknown health signal kind {kind!r} (choose from {', '.join(SIGNAL_KINDS)})")
+        ranks = self.agent.config.nproc_per_node + self.agent.config.recovery.spares
+        if not 0 <= local_rank < ranks:
+            raise ValueError(f"local rank {local_rank} is not on this node (local ranks 0-{ranks - 1})")
         gpu = self.gpu_of(local_rank)
-        if gpu is None or local_rank < 0:
+        if gpu is None:
             raise ValueError(f"local rank {local_rank} has no GPU on this node")
         health = HealthSignal(kind, gpu, int(value), f"injected {kind} {value}", time.time(), local_rank)
         return self.handle(health, source="inject")
