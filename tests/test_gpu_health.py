@@ -24,6 +24,7 @@ import pytest
 
 from ftrun.agent.gpu_health import WAKE, GpuHealth
 from ftrun.events import EventLog, read_events
+from ftrun.health.nvml import NvmlMonitor
 from ftrun.health.policy import DEFAULT_TABLE
 from ftrun.health.signals import Action
 from test_recovery import (  # noqa: F401  (baseline and launch are fixtures)
@@ -289,3 +290,21 @@ def test_without_nvml_drills_use_the_local_rank_as_a_virtual_gpu(health_for, mon
         health.inject("xdi", 0, 13)
     with pytest.raises(ValueError, match="local rank 4 is not on this node"):
         health.inject("xid", 4, 13)
+
+
+def test_monitor_readings_and_event_registration_for_the_gpu_check(fake_nvml):
+    fake_nvml.set_unsupported(1, "recovery", "events")
+    fake_nvml.set_ecc(0, 3)
+    fake_nvml.lose_gpu(3)
+    monitor = NvmlMonitor(lambda signal: None, poll_interval=3600, cuda_visible_devices="0,1,2,3")
+    assert monitor.start()
+    try:
+        monitor.poll()
+        assert monitor.event_gpus == [0, 2]  # GPU 1 has no events; GPU 3 is lost
+        readings = monitor.readings()
+    finally:
+        monitor.stop()
+    assert readings[0] == {"ecc_uncorrected_volatile": 3, "row_remap_pending": 0, "row_remap_failure": 0,
+                           "recovery_action": 0}
+    assert readings[1]["recovery_action"] == "unsupported" and readings[1]["ecc_uncorrected_volatile"] == 0
+    assert set(readings[3].values()) == {"lost"}
