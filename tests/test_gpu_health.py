@@ -308,3 +308,13 @@ def test_monitor_readings_and_event_registration_for_the_gpu_check(fake_nvml):
                            "recovery_action": 0}
     assert readings[1]["recovery_action"] == "unsupported" and readings[1]["ecc_uncorrected_volatile"] == 0
     assert set(readings[3].values()) == {"lost"}
+
+
+def test_readme_xid_table_is_the_default_table():
+    readme = (ROOT / "README.md").read_text()
+    documented = {}
+    for action in Action:
+        (row,) = [line for line in readme.splitlines() if line.startswith(f"| `{action.value}` | ") and
+                  line.rstrip(" |").split("| ")[-1].replace(", ", "").isdigit()]
+        documented.update({int(code): action for code in row.rstrip(" |").split("| ")[-1].split(", ")})
+    assert documented == {code: action for code, (action, _) in DEFAULT_TABLE.items()}
