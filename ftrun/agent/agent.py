@@ -159,6 +159,7 @@ class Agent:
         self.workers.clear()
         self.next_uid = 0
         self.attempt_failure = None
+        self.gpu_health.restarts.clear()  # uids are numbered per attempt
         local_ranks = [r for r in range(self.config.nproc_per_node) if self.gpu_health.usable(r)]
         self.local_world = len(local_ranks)
         for rank, local_rank in enumerate(local_ranks):

@@ -60,7 +60,7 @@ class GpuHealth:
         self.node_evicted: str | None = None
         """Why this node is evicted (every worker stopped, no group restart), once it is."""
         self.restarts: set[int] = set()
-        """Uids killed for a restart on the same GPU: the coordinator replaces each when its exit is seen."""
+        """Uids (of the current attempt) killed for a restart on the same GPU: the coordinator replaces each."""
         self._last_xid: dict[int, int] = {}
         self._queue: queue.SimpleQueue[HealthSignal] = queue.SimpleQueue()
         self._closed = False
