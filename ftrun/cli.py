@@ -125,6 +125,9 @@ def run(
     hang_timeout: Optional[float] = typer.Option(
         None, "--hang-timeout",
         help="Seconds without progress before a rank is declared hung (default: adaptive, 10x the median step)."),
+    xid_policy: Optional[str] = typer.Option(
+        None, "--xid-policy", metavar="FILE",
+        help="TOML or JSON file of Xid overrides: a table xid of code = action, e.g. 13 = \"evict_gpu\"."),
 ) -> None:
     """Launch SCRIPT on this node as torchrun would, recovering in place from worker faults."""
     config = build_config(
@@ -143,7 +146,7 @@ def run(
                      f"--event-log-handler {event_log_handler}": event_log_handler != "null"},
         recovery=RecoveryConfig(enabled=not no_recovery, respawn=respawn, spares=spares, min_nproc=min_nproc,
                                 recovery_timeout=recovery_timeout, join_timeout=join_timeout,
-                                hang_timeout=hang_timeout),
+                                hang_timeout=hang_timeout, xid_policy=xid_policy),
     )
     from ftrun.launch import launch
 
