@@ -407,6 +407,7 @@ class Agent:
         kind, uid = message["t"], message.get("uid")
         worker = self.workers.get(uid)
         if kind == "relay" and worker is not None and worker.exitcode is None:
+            self.coordinator.on_relay(message["data"].encode())
             worker.send(message["data"].encode())
         elif kind == "signal" and worker is not None:
             worker.send_signal(message["sig"])
