@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -124,6 +125,9 @@ def run(
     hang_timeout: Optional[float] = typer.Option(
         None, "--hang-timeout",
         help="Seconds without progress before a rank is declared hung (default: adaptive, 10x the median step)."),
+    xid_policy: Optional[str] = typer.Option(
+        None, "--xid-policy", metavar="FILE",
+        help="TOML or JSON file of Xid overrides: a table xid of code = action, e.g. 13 = \"evict_gpu\"."),
 ) -> None:
     """Launch SCRIPT on this node as torchrun would, recovering in place from worker faults."""
     config = build_config(
@@ -142,11 +146,30 @@ def run(
                      f"--event-log-handler {event_log_handler}": event_log_handler != "null"},
         recovery=RecoveryConfig(enabled=not no_recovery, respawn=respawn, spares=spares, min_nproc=min_nproc,
                                 recovery_timeout=recovery_timeout, join_timeout=join_timeout,
-                                hang_timeout=hang_timeout),
+                                hang_timeout=hang_timeout, xid_policy=xid_policy),
     )
     from ftrun.launch import launch
 
     raise typer.Exit(launch(config))
+
+
+@app.command(context_settings={"help_option_names": ["-h", "--help"]})
+def status(
+    endpoint: Optional[str] = typer.Option(None, "--endpoint", help="HOST:PORT of the job's store (from anywhere)."),
+    run_id: Optional[str] = typer.Option(None, "--run-id", help="The job's run id (or --rdzv-id); "
+                                         "a job that ended is summarised from its event log."),
+    log_dir: Optional[Path] = typer.Option(None, "--log-dir",
+                                           help="The job's --log-dir, or its run directory: show the newest run."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document instead of the table."),
+    watch: bool = typer.Option(False, "--watch", help="Refresh the display in place until Ctrl-C."),
+) -> None:
+    """Show the live health of a running job (or summarise one that ended).
+
+    Exit status: 0 healthy, 1 degraded (or an ended job that did not succeed), 3 no such job.
+    """
+    from ftrun.status.command import status as show
+
+    raise typer.Exit(show(endpoint, run_id, log_dir, as_json, watch))
 
 
 def _with_default_command(argv: list[str]) -> list[str]:
@@ -172,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(EXIT_USAGE)
     except UsageError as exc:
         print(f"ftrun: error: {exc}", file=sys.stderr)
-        sys.exit(EXIT_USAGE)
-    except _ABORTS:
+        sys.exit(exc.exit_code)
+    except (*_ABORTS, KeyboardInterrupt):
         sys.exit(130)
     sys.exit(code or 0)

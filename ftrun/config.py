@@ -14,6 +14,8 @@ from ftrun.errors import UsageError
 from ftrun.agent.remote import is_local
 from ftrun.hostfile import Host, parse_host_list, read_hostfile
 from ftrun.slurm import slurm_node
+from ftrun.health.policy import DEFAULT_TABLE, load_table
+from ftrun.health.signals import Action
 
 STDOUT, STDERR = 1, 2
 
@@ -127,6 +129,7 @@ class RecoveryConfig:
     recovery_timeout: float = 30.0
     join_timeout: float = 60.0
     hang_timeout: float | None = None  # None: adaptive (see ftrun.health.hangs)
+    xid_policy: str | None = None  # --xid-policy: a TOML or JSON file of Xid overrides
 
 
 @dataclass
@@ -170,6 +173,8 @@ class LaunchConfig:
     def sizes(self) -> tuple[int, ...]:
         """Workers per node, by node rank."""
         return self.node_sizes or (self.nproc_per_node,) * self.min_nodes
+    xid_table: dict[int, tuple[Action, str]] = field(default_factory=lambda: dict(DEFAULT_TABLE))
+    """Xid code -> (action, description): ftrun.health.policy.DEFAULT_TABLE with --xid-policy's overrides."""
 
     @property
     def world_size(self) -> int:
@@ -331,6 +336,10 @@ def build_config(
     world = sum(node_sizes) if node_sizes else nproc * max_nodes
     if not 1 <= recovery.min_nproc <= world:
         raise UsageError(f"--min-nproc {recovery.min_nproc} must be between 1 and the number of workers ({world})")
+    try:
+        xid_table = load_table(recovery.xid_policy) if recovery.xid_policy else dict(DEFAULT_TABLE)
+    except UsageError as exc:
+        raise UsageError(f"--xid-policy: {exc}") from None
     return LaunchConfig(
         command=_entrypoint(script, script_args, module, no_python, run_path),
         script=script,
@@ -365,6 +374,7 @@ def build_config(
         node_timeout=node_timeout,
         run_name=os.environ.get("FTRUN_RUN_NAME") or None,
         hosts=hosts,
+        xid_table=xid_table,
     )
 
 

@@ -6,6 +6,8 @@ Layout of ftrun's keys that outlive attempts (all under ``ftrun/``):
 - ``ftrun/mail/<box>/n``             counter of messages posted to mailbox ``<box>``
 - ``ftrun/mail/<box>/<i>``           message ``i`` (1-based), a JSON object
 - ``ftrun/reply/<token>``            the answer to a command carrying ``reply_to = token``
+- ``ftrun/status/job``               JSON: the job's live status, written by the leader about once a second
+- ``ftrun/status/node/<node_rank>``  JSON: a node's live status (its workers, its last events), same rhythm
 
 A mailbox has one reader (an agent, or the leader); any number of writers. Posting is two store calls
 (``add`` then ``set``); the reader checks for the next index every few milliseconds.
@@ -23,11 +25,17 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from ftrun.errors import UsageError
+from ftrun.errors import NoSuchJob, UsageError
 
 JOB_KEY = "ftrun/job"
 POLL_INTERVAL = 0.01
 """Seconds between two looks for a mailbox's next message: a store round trip each, cheap."""
+STATUS_JOB_KEY = "ftrun/status/job"
+
+
+def status_node_key(node_rank: int) -> str:
+    """The key of node ``node_rank``'s live status record."""
+    return f"ftrun/status/node/{node_rank}"
 
 
 def node_box(node_rank: int) -> str:
@@ -126,11 +134,11 @@ def connect(endpoint: str, timeout: float = 5.0) -> Any:
     try:  # a plain connect first: a refused or unreachable endpoint is one line, at once
         socket.create_connection((host, port), timeout=timeout).close()
     except OSError as exc:
-        raise UsageError(f"cannot reach a job at {host}:{port}: {exc.strerror or exc}") from None
+        raise NoSuchJob(f"cannot reach a job at {host}:{port}: {exc.strerror or exc}") from None
     try:
         return open_store(host, port, timeout)
     except RuntimeError as exc:
-        raise UsageError(f"cannot reach a job at {host}:{port}: {str(exc).splitlines()[0]}") from None
+        raise NoSuchJob(f"cannot reach a job at {host}:{port}: {str(exc).splitlines()[0]}") from None
 
 
 def open_store(host: str, port: int, timeout: float) -> Any:

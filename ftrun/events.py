@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +16,16 @@ class EventLog:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._file = open(path, "a", encoding="utf-8")
+        self.listeners: list[Callable[[dict[str, Any]], None]] = []
+        """Called with each record once it is written (the live status tally)."""
 
     def write(self, event: str, **fields: Any) -> dict[str, Any]:
         """Record one ``event`` with its fields and the wall-clock time; returns the record."""
         record = {"time": round(time.time(), 6), "event": event, **fields}
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
         self._file.flush()
+        for listener in self.listeners:
+            listener(record)
         return record
 
     def close(self) -> None:

@@ -18,8 +18,10 @@ from ftrun import control, registry
 from ftrun.agent.cluster import LeaseKeeper, NodeLeases, Relay, RemoteWorker, node_of
 from ftrun.agent.env import worker_env
 from ftrun.agent.failures import WorkerFailure, describe_failure, format_report
+from ftrun.agent.gpu_health import WAKE, GpuHealth
 from ftrun.agent.output import Console2, WorkerOutput, render_prefix
 from ftrun.agent.recovery import Coordinator
+from ftrun.agent.status_record import StatusPublisher
 from ftrun.agent.workers import Worker, WorkerSlot, spawn_worker
 from ftrun.config import STDERR, STDOUT, LaunchConfig
 from ftrun.errors import EXIT_OK, EXIT_SIGNAL_BASE, EXIT_WORKERS_FAILED
@@ -66,6 +68,7 @@ class Agent:
             self.run_dir = self.run_dir / f"node{config.node_rank}"
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.events = EventLog(self.run_dir / "events.jsonl")
+        self.status = StatusPublisher(self)
         self.selector = selectors.DefaultSelector()
         self.workers: dict[int, Worker] = {}
         self.remote: dict[int, RemoteWorker] = {}  # the leader's handles on other nodes' workers
@@ -84,6 +87,10 @@ class Agent:
         self.lease: LeaseKeeper | None = None  # a follower's own lease
         self.commands: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {"ping": self._ping}
         """Handlers of the commands posted to this node's mailbox (``ftrun inject``...), by their ``cmd``."""
+        self.gpu_health = GpuHealth(self, config.xid_table)
+        self.local_world = config.nproc_per_node
+        """Training workers this attempt starts on this node: fewer than --nproc-per-node after a GPU eviction."""
+        self.attempt_failure: str | None = None  # set by end_attempt: why the current attempt is being ended
 
     # ----------------------------------------------------------------- run
     def run(self) -> int:
@@ -95,12 +102,14 @@ class Agent:
         handled = set(self.config.signals_to_handle) | {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
         previous = {sig: signal.signal(sig, lambda *_: None) for sig in handled}
         self.selector.register(wake_r, selectors.EVENT_READ, ("signal", None))
+        self.gpu_health.start()
         mail_r, self.mail_w = os.pipe()
         os.set_blocking(mail_r, False)
         os.set_blocking(self.mail_w, False)
         self.selector.register(mail_r, selectors.EVENT_READ, ("mail", None))
         self.events.write("start", run_id=self.config.run_id, command=self.config.command, node=self.config.node_rank,
-                          nproc=self.config.nproc_per_node, store_port=self.store_port)
+                          nproc=self.config.nproc_per_node, world_size=self.config.world_size,
+                          store_port=self.store_port)
         entry = None
         if not self.config.under_launcher:
             entry = registry.register(registry.new_entry(self.run_dir.name, self.config.run_id,
@@ -108,6 +117,7 @@ class Agent:
         try:
             return self._run_attempts(wake_r, mail_r)
         finally:
+            self.gpu_health.stop()
             for service in (self.mail, self.lease):
                 if service is not None:
                     service.stop()
@@ -168,7 +178,8 @@ class Agent:
                     self.coordinator.on_start(worker)
             result = self._watch(wake_r, mail_r)
             self.events.write("attempt_end", attempt=self.restart_count, succeeded=result.succeeded,
-                              signal=result.signal, reason=result.reason)
+                              signal=result.signal, reason=result.reason,
+                              last_step=max(self.coordinator.last_step.values(), default=None))
             if result.succeeded:
                 self.events.write("end", outcome="succeeded")
                 return EXIT_OK
@@ -183,25 +194,59 @@ class Agent:
             if self.config.multinode:
                 self._stop_followers(result.reason)
             elif self.restart_count < self.config.max_restarts:
-                self.restart_count += 1
-                self.store_host.clear_worker_keys()  # the new group must not read the old one's addresses
-                self.console.notice(
-                    f"ftrun: {result.reason}; restarting the group "
-                    f"(restart {self.restart_count} of {self.config.max_restarts})", style="bold yellow")
-                continue
+                refused = self._why_no_restart()
+                if refused is None:
+                    self.restart_count += 1
+                    self.store_host.clear_worker_keys()  # the new group must not read the old one's addresses
+                    self.console.notice(
+                        f"ftrun: {result.reason}; restarting the group "
+                        f"(restart {self.restart_count} of {self.config.max_restarts})", style="bold yellow")
+                    continue
+                result.reason = f"{result.reason}; no group restart: {refused}"
             self.console.notice(format_report(self.config.script, result.reason, result.failures), style="bold red")
             self.events.write("end", outcome="failed", reason=result.reason)
             return EXIT_WORKERS_FAILED
 
     # ----------------------------------------------------------- workers
     def _start_group(self) -> None:
-        """Start nproc workers (and the spares) for a new attempt."""
+        """Start one worker per usable local rank (and the spares) for a new attempt.
+
+        A local rank whose GPU was evicted gets no worker: the group is smaller, its ranks stay contiguous
+        and WORLD_SIZE says so.
+        """
         self.workers.clear()
         self.next_uid = self.first_uid
-        for local_rank in range(self.config.nproc_per_node):
-            self.start_worker(local_rank, rank=self.config.rank_offset + local_rank)
+        self.attempt_failure = None
+        self.gpu_health.restarts.clear()  # uids are numbered per attempt
+        local_ranks = [r for r in range(self.config.nproc_per_node) if self.gpu_health.usable(r)]
+        self.local_world = len(local_ranks)
+        for index, local_rank in enumerate(local_ranks):
+            self.start_worker(local_rank, rank=self.config.rank_offset + index)
         for index in range(self.config.recovery.spares):
-            self.start_worker(self.config.nproc_per_node + index, rank=None)
+            if self.gpu_health.usable(self.config.nproc_per_node + index):
+                self.start_worker(self.config.nproc_per_node + index, rank=None)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Training workers per node in the current attempt: this node's less its evicted GPUs'."""
+        sizes = list(self.config.sizes)
+        sizes[self.config.node_rank] = self.local_world
+        return tuple(sizes)
+
+    @property
+    def world_size(self) -> int:
+        """Training workers of the current attempt, all nodes."""
+        return sum(self.sizes)
+
+    def _why_no_restart(self) -> str | None:
+        """Why the group cannot restart on this node after GPU evictions, or None when it can."""
+        if self.gpu_health.node_evicted:
+            return "this node is evicted"
+        usable = sum(self.gpu_health.usable(r) for r in range(self.config.nproc_per_node))
+        if usable < self.config.recovery.min_nproc:
+            return (f"GPU evictions left {usable} usable GPU{'s' if usable != 1 else ''} on this node, "
+                    f"below --min-nproc {self.config.recovery.min_nproc}")
+        return None
 
     def start_worker(self, local_rank: int, rank: int | None, respawn_of: WorkerSlot | None = None) -> Worker | None:
         """Start one worker; ``rank`` None makes it a joiner (a spare, or ``respawn_of``'s replacement).
@@ -224,7 +269,7 @@ class Agent:
                                                                           else f"{local_rank}.{uid - self.first_uid}")
         env = worker_env(self.config, rank=shown_rank, local_rank=local_rank, uid=uid,
                          restart_count=self.restart_count, store_port=self.store_port,
-                         run_dir=str(self.run_dir), spare=joiner)
+                         run_dir=str(self.run_dir), spare=joiner, node_sizes=self.sizes)
         worker = spawn_worker(slot, self.config.command, env, attempt_dir / "error.json")
         prefix = render_prefix(self.config.log_line_prefix_template, self.config.role, shown_rank, local_rank,
                                self.config.node_name)
@@ -258,6 +303,13 @@ class Agent:
         if self.stop_deadline is None:
             self.stop_deadline = time.monotonic() + self.config.shutdown_timeout
 
+    def end_attempt(self, reason: str) -> None:
+        """Kill every worker of this node now (SIGKILL): the attempt fails with ``reason`` (the first one given)."""
+        if self.attempt_failure is None:
+            self.attempt_failure = reason
+            self.events.write("group_failure", reason=reason)
+        self.stop_all(signal.SIGKILL)
+
     # -------------------------------------------------------------- loop
     def _watch(self, wake_r: int, mail_r: int) -> AttemptResult:
         """The event loop of one attempt: output, exits, control messages, mail, signals, deadlines."""
@@ -277,6 +329,8 @@ class Agent:
                     self._on_signal(wake_r, result)
                 elif kind == "mail":
                     self._read_mail(mail_r)
+                elif kind == WAKE:
+                    self.gpu_health.drain()
             now = time.monotonic()
             if self.leases is not None:
                 for node, since in self.leases.expired(now):
@@ -286,6 +340,7 @@ class Agent:
                 for worker in self.live_workers():
                     worker.send_signal(signal.SIGKILL)
                 self.stop_deadline = now + 3600
+            self.status.tick(now)
             if self.stop_deadline is None:
                 fallback = self.coordinator.tick(now)
                 if fallback:
@@ -296,6 +351,7 @@ class Agent:
             self.outputs.pop(uid).close()
             self._unregister(worker)
             worker.close()
+        result.reason = self.attempt_failure or result.reason
         result.succeeded = result.signal is None and not result.reason and self.coordinator.succeeded()
         return result
 
@@ -351,6 +407,7 @@ class Agent:
         kind, uid = message["t"], message.get("uid")
         worker = self.workers.get(uid)
         if kind == "relay" and worker is not None and worker.exitcode is None:
+            self.coordinator.on_relay(message["data"].encode())
             worker.send(message["data"].encode())
         elif kind == "signal" and worker is not None:
             worker.send_signal(message["sig"])

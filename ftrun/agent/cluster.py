@@ -10,6 +10,7 @@ for that long stops its own workers (fences itself), so a partitioned node never
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -163,6 +164,18 @@ class Relay:
         self.watchdog = HangWatchdog(agent, HangPolicy(fixed=agent.config.recovery.hang_timeout))
         self.forwarded: dict[int, tuple[int, float]] = {}  # uid -> (gen, time) of the last forwarded commit
         self.stop_reason: str | None = None
+        # what this node knows of the job, for its status record
+        self.plan = protocol.Plan(0, protocol.initial_members(agent.sizes))
+        self.last_step: dict[int, int] = {}
+        self.recovery: int | None = None  # the generation being recovered into, until its first commit here
+
+    def on_relay(self, data: bytes) -> None:
+        """Control messages the leader sends to a worker of this node: a plan starts a recovery."""
+        for line in data.decode().splitlines():
+            message = json.loads(line)
+            if message.get("t") == protocol.PLAN and message["gen"] > self.plan.gen:
+                self.plan = protocol.Plan.from_message(message)
+                self.recovery = self.plan.gen
 
     def tell_leader(self, message: dict[str, Any]) -> None:
         """Post one message to the leader's mailbox."""
@@ -186,6 +199,9 @@ class Relay:
             self.watchdog.finished(uid)
         elif kind == protocol.PROGRESS:
             self.watchdog.committed(uid, message["step"], message["step_time"])
+            self.last_step[uid] = message["step"]
+            if message["gen"] == self.recovery:
+                self.recovery = None
             gen, last = self.forwarded.get(uid, (-1, 0.0))
             now = time.monotonic()
             if gen == message["gen"] and now - last < PROGRESS_FORWARD_INTERVAL:

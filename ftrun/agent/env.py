@@ -17,24 +17,27 @@ def worker_env(
     store_port: int,
     run_dir: str,
     spare: bool = False,
+    node_sizes: tuple[int, ...] | None = None,
 ) -> dict[str, str]:
     """Build one worker's environment exactly as torchrun 2.14 does, plus FTRUN_* variables.
 
     ``uid`` is the worker's incarnation id, unique within a run; a spare gets the rank it would have if
-    it joined now, and FTRUN_SPARE=1.
+    it joined now, and FTRUN_SPARE=1. ``node_sizes`` (training workers per node) defaults to the
+    configuration's; an attempt started without evicted GPUs' workers passes its smaller sizes.
     """
     env = dict(os.environ)
     if "OMP_NUM_THREADS" not in env and config.nproc_per_node > 1:
         env["OMP_NUM_THREADS"] = "1"
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-    world = config.world_size
+    sizes = config.sizes if node_sizes is None else node_sizes
+    world, local_world = sum(sizes), sizes[config.node_rank]
     env.update(
         LOCAL_RANK="0" if config.virtual_local_rank else str(local_rank),
         RANK=str(rank),
         GROUP_RANK=str(config.node_rank),
         ROLE_RANK=str(rank),
         ROLE_NAME=config.role,
-        LOCAL_WORLD_SIZE=str(config.nproc_per_node),
+        LOCAL_WORLD_SIZE=str(local_world),
         WORLD_SIZE=str(world),
         GROUP_WORLD_SIZE=str(config.min_nodes),
         ROLE_WORLD_SIZE=str(world),
@@ -46,7 +49,7 @@ def worker_env(
         TORCHELASTIC_USE_AGENT_STORE="True",
         TORCHELASTIC_SIGNALS_TO_HANDLE=",".join(s.name for s in config.signals_to_handle),
         FTRUN_UID=str(uid),
-        FTRUN_NODE_SIZES=",".join(map(str, config.sizes)),
+        FTRUN_NODE_SIZES=",".join(map(str, sizes)),
         FTRUN_RUN_DIR=run_dir,
         FTRUN_SPARE="1" if spare else "0",
         FTRUN_RECOVERY="1" if config.recovery.enabled else "0",

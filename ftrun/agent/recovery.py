@@ -62,8 +62,8 @@ class Coordinator:
         self.agent = agent
         self.store = store
         self.config = agent.config.recovery
-        self.target = agent.config.world_size
-        self.plan = Plan(0, protocol.initial_members(agent.config.sizes))
+        self.target = agent.world_size
+        self.plan = Plan(0, protocol.initial_members(agent.sizes))
         self.adopted: set[int] = set()
         self.ready: list[int] = []
         self.finished: set[int] = set()  # exited with code 0
@@ -118,6 +118,7 @@ class Coordinator:
 
     def on_faults(self, faults: list[tuple[Worker | RemoteWorker, WorkerFailure]]) -> bool:
         """Workers failed together (a node lost): one new generation without them; False to restart the group."""
+        health = self.agent.gpu_health
         if not self.config.enabled:
             return False
         if self.rescue is not None:
@@ -128,14 +129,17 @@ class Coordinator:
                 if worker.uid in self.ready:
                     self.ready.remove(worker.uid)
                 self.agent.events.write("joiner_lost", uid=worker.uid, how=failure.how)
+                if worker.uid in health.restarts and health.usable(worker.slot.local_rank):  # a spare, on its GPU
+                    self.agent.start_worker(worker.slot.local_rank, rank=None, respawn_of=worker.slot)
             else:
                 members.append((worker, failure))
         if not members:
             return True
         lost = {worker.uid for worker, _ in members}
         survivors = [m for m in self.plan.members if m not in lost and m not in self.finished]
-        reason = why_not_in_place(self.plan.members, self.adopted, len(survivors), len(self.ready) + (
-            1 if self.config.respawn else 0), self.config.min_nproc)
+        replaced = [worker for worker, _ in members if self._replaced(worker)]
+        reason = why_not_in_place(self.plan.members, self.adopted, len(survivors), len(self.ready) + len(replaced),
+                                  self.config.min_nproc)
         if reason is not None:
             for uid in lost:
                 self.agent.events.write("recovery_refused", uid=uid, reason=reason)
@@ -161,10 +165,17 @@ class Coordinator:
         else:
             what = f"lost rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
             self._issue(next_plan(self.plan, lost, self.ready, self.target, what))
-        if self.config.respawn:  # after the plan: starting a process is not on the survivors' path
-            for worker, _ in members:
-                self.agent.start_worker(worker.slot.local_rank, rank=None, respawn_of=worker.slot)
+        for worker in replaced:  # after the plan: starting a process is not on the survivors' path
+            self.agent.start_worker(worker.slot.local_rank, rank=None, respawn_of=worker.slot)
         return True
+
+    def _replaced(self, worker: Worker | RemoteWorker) -> bool:
+        """Whether a lost member gets a replacement: with --respawn, or after a GPU health restart without it;
+        never on an evicted GPU (another node's GPUs are its own agent's to judge)."""
+        if worker.uid not in self.agent.workers:
+            return self.config.respawn
+        health = self.agent.gpu_health
+        return (self.config.respawn or worker.uid in health.restarts) and health.usable(worker.slot.local_rank)
 
     def tick(self, now: float) -> str | None:
         """Called every monitor interval: the reason to fall back to a group restart, or None."""

@@ -57,6 +57,7 @@ class NvmlMonitor:
         self._ranks: dict[int, int] = {}
         self._by_key: dict[Any, int] = {}
         self._event_set: Any = None
+        self._event_gpus: list[int] = []
         self._state: dict[tuple[int, str], int] = {}
         self._unsupported: set[tuple[int, str]] = set()
         self._lost: set[int] = set()
@@ -119,6 +120,24 @@ class NvmlMonitor:
                 if all((gpu, f) in self._unsupported for f in ("ecc", "remap", "recovery")):
                     self._call(gpu, "probe", "nvmlDeviceGetTemperature", self._nvml.NVML_TEMPERATURE_GPU)
 
+    @property
+    def event_gpus(self) -> list[int]:
+        """The watched GPUs registered for Xid and double-bit ECC events (the others are only polled)."""
+        return list(self._event_gpus)
+
+    def readings(self) -> dict[int, dict[str, Any]]:
+        """Per watched GPU, what the polls last read: volatile uncorrected ECC count, row remapping flags,
+        recovery action; None until read, "unsupported" where the GPU lacks the feature, "lost" once lost.
+        """
+        fields = (("ecc_uncorrected_volatile", "ecc", "ecc"), ("row_remap_pending", "remap", "row_remap_pending"),
+                  ("row_remap_failure", "remap", "row_remap_failure"), ("recovery_action", "recovery", "recovery_action"))
+        with self._lock:
+            return {
+                gpu: {name: "lost" if gpu in self._lost else "unsupported" if (gpu, feature) in self._unsupported
+                      else self._state.get((gpu, key)) for name, feature, key in fields}
+                for gpu in sorted(self._ranks)
+            }
+
     def describe_devices(self) -> list[dict[str, Any]]:
         """One dict per watched GPU for a status display; values NVML cannot give are None."""
         with self._lock:
@@ -159,13 +178,13 @@ class NvmlMonitor:
         except nvml.NVMLError as exc:
             log.info("GPU health: no NVML events (%s); polling only", exc)
             return
-        registered = 0
+        self._event_gpus = []
         for gpu in self._handles:
             supported = self._call(gpu, "event_types", "nvmlDeviceGetSupportedEventTypes")
             mask = wanted & supported if supported is not _FAILED else 0
             if mask and self._call(gpu, "events", "nvmlDeviceRegisterEvents", mask, event_set) is not _FAILED:
-                registered += 1
-        if registered:
+                self._event_gpus.append(gpu)
+        if self._event_gpus:
             self._event_set = event_set
         else:
             _quietly(nvml.nvmlEventSetFree, event_set)
@@ -255,8 +274,8 @@ class NvmlMonitor:
             self._flag(gpu, "recovery_action", action, f"driver GPU recovery action {action}")
 
     def _flag(self, gpu: int, kind: str, value: int, detail: str) -> None:
-        if self._state.get((gpu, kind), 0) != value:
-            self._state[(gpu, kind)] = value
+        old, self._state[(gpu, kind)] = self._state.get((gpu, kind), 0), value
+        if old != value:
             self._emit(kind, gpu, value, detail if value else f"{kind} cleared")
 
     def _call(self, gpu: int, feature: str, name: str, *args: Any) -> Any:
@@ -283,7 +302,7 @@ class NvmlMonitor:
     def _emit(self, kind: str, gpu: int, value: int, detail: str) -> None:
         rank = self._ranks.get(gpu)
         signal = HealthSignal(kind, gpu, value, detail, self._clock(), rank)
-        log.warning("GPU %d (local rank %s): %s %d: %s", gpu, rank, kind, value, detail)
+        log.info("GPU %d (local rank %s): %s %d: %s", gpu, rank, kind, value, detail)
         try:
             self._on_signal(signal)
         except Exception:

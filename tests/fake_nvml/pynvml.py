@@ -5,11 +5,18 @@ It mirrors the names, constants and exception classes of the real module that
 with the module-level control functions at the bottom (``reset``, ``inject_xid``,
 ``set_ecc``, ``lose_gpu``...).  ``nvmlEventSetWait`` blocks on a condition
 variable until an event is injected or its timeout passes, as the real call does.
+
+Another process (a test driving a launcher that imports this module) injects
+through a script file: where the environment variable ``FAKE_NVML_SCRIPT`` names
+one, ``nvmlEventSetWait`` applies each complete line appended to it, such as
+``xid 2 48`` or ``dbe 1`` (see ``SCRIPT_COMMANDS``), looking at it every 50 ms.
 """
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from collections import Counter, deque
 from types import SimpleNamespace
 from typing import Any
@@ -249,10 +256,17 @@ def nvmlDeviceRegisterEvents(handle: _Device, eventTypes: int, eventSet: _EventS
 def nvmlEventSetWait(eventSet: _EventSet, timeoutms: int) -> SimpleNamespace:
     """The next event of the set; NVMLError_Timeout after ``timeoutms`` without one."""
     _enter("nvmlEventSetWait")
-    with _cond:
-        if not _cond.wait_for(lambda: eventSet.queue, timeout=timeoutms / 1000.0):
+    deadline = time.monotonic() + timeoutms / 1000.0
+    script = os.environ.get("FAKE_NVML_SCRIPT")
+    while True:
+        if script:
+            _run_script(script)
+        remaining = deadline - time.monotonic()
+        with _cond:
+            if _cond.wait_for(lambda: eventSet.queue, timeout=min(remaining, 0.05) if script else remaining):
+                return eventSet.queue.popleft()
+        if time.monotonic() >= deadline:
             raise NVMLError(NVML_ERROR_TIMEOUT)
-        return eventSet.queue.popleft()
 
 
 def nvmlEventSetFree(eventSet: _EventSet) -> None:
@@ -344,6 +358,34 @@ def wait_calls(name: str, count: int, timeout: float = 5.0) -> bool:
 def initialized() -> bool:
     """Whether nvmlInit has been called more often than nvmlShutdown."""
     return _init_count > 0
+
+
+SCRIPT_COMMANDS = {
+    "xid": inject_xid,  # xid GPU CODE
+    "dbe": inject_dbe,  # dbe GPU
+    "ecc": set_ecc,  # ecc GPU COUNT
+    "recovery": set_recovery_action,  # recovery GPU ACTION
+    "lose": lose_gpu,  # lose GPU
+}
+"""The commands of a ``FAKE_NVML_SCRIPT`` file: one per line, the name then integer arguments."""
+_script_read = 0
+
+
+def _run_script(path: str) -> None:
+    """Apply the complete lines appended to the script file since the last look."""
+    global _script_read
+    try:
+        with open(path, "rb") as f:
+            f.seek(_script_read)
+            data = f.read()
+    except FileNotFoundError:
+        return
+    complete = data[: data.rfind(b"\n") + 1]
+    _script_read += len(complete)
+    for line in complete.decode().splitlines():
+        if line.strip():
+            name, *args = line.split()
+            SCRIPT_COMMANDS[name](*map(int, args))
 
 
 reset()

@@ -3,7 +3,7 @@
 FAULTS is read as in faulty_train.py, but faults fire only in attempt 0 (TORCHELASTIC_RESTART_COUNT=0),
 so a group restart runs clean. AWAIT (environment) is a comma list of WHEN:WHAT; a worker waits until
 the run's event log (FTRUN_RUN_DIR/events.jsonl) holds an event WHAT (an event name, or `joined`: a
-"generation" event with joiners):
+"generation" event with joiners; `NAME*N`: at least N events NAME):
   WHEN = STEP    every member waits before step STEP (before that step's planted fault), once
   WHEN = end     every member waits after its last step, before it exits
   WHEN = joiner  a joiner (spare or respawned worker) waits before entering Session.steps()
@@ -32,6 +32,8 @@ EVENTS = Path(os.environ.get("FTRUN_RUN_DIR", ".")) / "events.jsonl"
 
 def logged(what: str) -> bool:
     """Whether the event log holds the event ``what`` (or, for `joined`, a generation with joiners)."""
+    what, _, count = what.partition("*")
+    wanted = int(count or 1)
     try:
         lines = EVENTS.read_text().splitlines()
     except FileNotFoundError:
@@ -41,10 +43,10 @@ def logged(what: str) -> bool:
             event = json.loads(line)
         except ValueError:  # a line being written
             continue
-        if what == "joined" and event["event"] == "generation" and event.get("joiners"):
-            return True
-        if event["event"] == what:
-            return True
+        if (what == "joined" and event["event"] == "generation" and event.get("joiners")) or event["event"] == what:
+            wanted -= 1
+            if not wanted:
+                return True
     return False
 
 

@@ -1,0 +1,144 @@
+"""The agent's live status record, published to the store about once a second for `ftrun status`.
+
+Every agent publishes its node's record (``ftrun/status/node/<node_rank>``): its workers with their rank,
+pid, state, step, step time, time since their last progress, CPU and memory, GPU health, and the node's
+last notable events. The leader (node 0) also publishes the job's record (``ftrun/status/job``): run id,
+generation, world size now and at start, steps/s, faults survived, recoveries with their latencies.
+Publishing is one psutil sample per worker (cached processes) and one or two store ``set`` calls.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import psutil
+
+from ftrun import control
+from ftrun.tally import EventTally, exit_reason
+
+if TYPE_CHECKING:
+    from ftrun.agent.agent import Agent
+    from ftrun.agent.workers import Worker
+
+STATUS_INTERVAL = 1.0
+"""Seconds between two records."""
+RATE_WINDOW = 10.0
+"""Seconds over which steps/s is measured."""
+
+GpuStatus = Callable[[], dict[int, dict[str, Any]]]
+"""GPU health by local rank: gpu_index, util, mem_used, mem_total, temperature, ecc_uncorrected, last_xid,
+evicted (None where unknown); an empty dict where there is no GPU."""
+
+
+def worker_state(exitcode: int | None, member: bool, spare: bool, recovering: bool, hung: bool) -> str:
+    """One word for what a worker is doing: running, recovering, hung, spare, joining, finished or lost."""
+    if exitcode is not None:
+        return "finished" if exitcode == 0 else "lost"
+    if hung:
+        return "hung"
+    if member:
+        return "recovering" if recovering else "running"
+    return "spare" if spare else "joining"
+
+
+class StatusPublisher:
+    """Builds this node's status record (and the job's, on the leader) and writes them to the store."""
+
+    def __init__(self, agent: Agent, gpu_status: GpuStatus | None = None) -> None:
+        self.agent = agent
+        self.gpu_status = gpu_status
+        self.tally = EventTally()
+        agent.events.listeners.append(self.tally.add)
+        self.host = socket.gethostname()
+        self.processes: dict[int, psutil.Process] = {}  # pid -> cached Process (cpu_percent needs the same one)
+        self.last_rank: dict[int, int] = {}  # uid -> the rank it held last (shown for workers that ended)
+        self.rates: deque[tuple[float, int]] = deque()  # (time, highest committed step) over RATE_WINDOW
+        self.next_publish = 0.0
+
+    def tick(self, now: float) -> None:
+        """Called from the agent's loop with time.monotonic(): publish when a record is due."""
+        if now >= self.next_publish:
+            self.publish()
+            self.next_publish = now + STATUS_INTERVAL
+
+    def publish(self) -> None:
+        """Write this node's record, and the job's on the leader."""
+        store = self.agent.store
+        store.set(control.status_node_key(self.agent.config.node_rank), json.dumps(self.node_record()))
+        if self.agent.config.node_rank == 0:
+            store.set(control.STATUS_JOB_KEY, json.dumps(self.job_record()))
+
+    # ------------------------------------------------------------ records
+    def node_record(self) -> dict[str, Any]:
+        """This node: its agent and one entry per worker of the current attempt, and its recent events."""
+        gpus = self.gpu_status() if self.gpu_status else {}
+        live = {w.pid for w in self.agent.live_workers()}
+        for pid in set(self.processes) - live:
+            del self.processes[pid]
+        workers = [self._worker(w, gpus.get(w.slot.local_rank)) for w in self.agent.workers.values()]
+        return {"node_rank": self.agent.config.node_rank, "host": self.host, "agent_pid": os.getpid(),
+                "time": time.time(), "attempt": self.agent.restart_count, "workers": workers,
+                "events": list(self.tally.recent)}
+
+    def job_record(self) -> dict[str, Any]:
+        """The job as the leader sees it: the event tally plus generation, world size, progress rate."""
+        coordinator = self.agent.coordinator
+        now = time.time()
+        step = max(coordinator.last_step.values(), default=None)
+        summary = self.tally.summary()
+        del summary["events"]  # each node record carries its own
+        summary.update(
+            rdzv_id=self.agent.config.run_id, run_id=self.agent.run_dir.name, run_dir=str(self.agent.run_dir),
+            nnodes=self.agent.config.min_nodes, world_size_initial=self.agent.config.world_size,
+            world_size=coordinator.plan.world_size, generation=coordinator.plan.gen,
+            recovering=coordinator.recovery is not None, restarting=coordinator.rescue is not None,
+            step=step, steps_per_s=self._rate(now, step), time=now)
+        return summary
+
+    def _worker(self, worker: Worker, gpu: dict[str, Any] | None) -> dict[str, Any]:
+        coordinator = self.agent.coordinator
+        uid = worker.uid
+        rank = coordinator.plan.rank_of(uid)
+        if rank is not None:
+            self.last_rank[uid] = rank
+        progress = coordinator.watchdog.progress.get(uid) if worker.exitcode is None else None
+        state = worker_state(worker.exitcode, rank is not None, worker.slot.spare,
+                             coordinator.recovery is not None, uid in coordinator.watchdog.killing)
+        cpu, rss = self._usage(worker.pid) if worker.exitcode is None else (None, None)
+        return {"uid": uid, "rank": self.last_rank.get(uid), "local_rank": worker.slot.local_rank,
+                "pid": worker.pid, "state": state, "exit": exit_reason(worker.exitcode),
+                "step": coordinator.last_step.get(uid),
+                "step_time": progress.step_times[-1] if progress and progress.step_times else None,
+                "since_progress": time.monotonic() - progress.last if progress else None,
+                "cpu_percent": cpu, "rss": rss, "gpu": gpu}
+
+    def _usage(self, pid: int) -> tuple[float | None, int | None]:
+        """CPU% since the previous record (None on the first) and resident memory of one worker."""
+        process = self.processes.get(pid)
+        try:
+            if process is None:
+                process = self.processes[pid] = psutil.Process(pid)
+                process.cpu_percent(None)  # the first call only starts the measurement
+                return None, process.memory_info().rss
+            return process.cpu_percent(None), process.memory_info().rss
+        except psutil.Error:  # it ended between the exit check and now
+            return None, None
+
+    def _rate(self, now: float, step: int | None) -> float | None:
+        """Committed steps per second over the last RATE_WINDOW seconds."""
+        if step is None:
+            self.rates.clear()
+            return None
+        if self.rates and step < self.rates[-1][1]:
+            self.rates.clear()  # a group restart went back to a saved step
+        self.rates.append((now, step))
+        while len(self.rates) > 2 and now - self.rates[1][0] >= RATE_WINDOW:
+            self.rates.popleft()
+        then, first = self.rates[0]
+        return (step - first) / (now - then) if now > then else None
