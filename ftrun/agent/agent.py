@@ -144,9 +144,25 @@ class Agent:
         host = "127.0.0.1" if self.store_host is not None else self.config.store.host
         return control.open_store(host, self.store_port, timeout)
 
+    def _connect_store_within(self, call_timeout: float) -> Any:
+        """A connection whose calls wait at most ``call_timeout`` s; connecting is retried for STORE_TIMEOUT s
+        (node 0 may start serving the store later than this agent starts)."""
+        deadline = time.monotonic() + STORE_TIMEOUT
+        while True:
+            try:
+                return self._connect_store(call_timeout)
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+
     def _open_store(self) -> Any:
         """Serve the store (or connect to it), and start this node's mailbox reader and lease."""
-        store = self.store_host.start() if self.store_host is not None else self._connect_store()
+        if self.store_host is not None:
+            store = self.store_host.start()
+        elif self.leader:
+            store = self._connect_store()
+        else:  # short calls, so that its loop goes on to fence itself if the store stops answering
+            store = self._connect_store_within(self.config.node_timeout / 2)
         if self.leader:
             store.set(control.JOB_KEY, json.dumps({"run_id": self.run_dir.name, "rdzv_id": self.config.run_id,
                                                    "nnodes": self.config.min_nodes,
@@ -368,7 +384,10 @@ class Agent:
                     answer = {"ok": False, "error": f"this agent does not know the command {message['cmd']!r}"}
                 else:
                     answer = handler(message)
-                control.reply(self.store, message, answer)
+                try:
+                    control.reply(self.store, message, answer)
+                except RuntimeError:
+                    pass  # the asker's store went away: nobody to answer
             elif self.leader:
                 self._from_follower(message)
             else:

@@ -178,8 +178,12 @@ class Relay:
                 self.recovery = self.plan.gen
 
     def tell_leader(self, message: dict[str, Any]) -> None:
-        """Post one message to the leader's mailbox."""
-        control.post(self.store, LEADER_BOX, message)
+        """Post one message to the leader's mailbox; dropped if the store cannot be reached (within the
+        agent's store timeout): a node cut off that long is evicted by the leader and fences itself."""
+        try:
+            control.post(self.store, LEADER_BOX, message)
+        except RuntimeError:
+            pass
 
     def on_start(self, worker: Worker) -> None:
         """A worker of this node started."""

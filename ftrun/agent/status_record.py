@@ -68,11 +68,14 @@ class StatusPublisher:
             self.next_publish = now + STATUS_INTERVAL
 
     def publish(self) -> None:
-        """Write this node's record, and the job's on the leader."""
+        """Write this node's record, and the job's on the leader; skipped while the store cannot be reached."""
         store = self.agent.store
-        store.set(control.status_node_key(self.agent.config.node_rank), json.dumps(self.node_record()))
-        if self.agent.config.node_rank == 0:
-            store.set(control.STATUS_JOB_KEY, json.dumps(self.job_record()))
+        try:
+            store.set(control.status_node_key(self.agent.config.node_rank), json.dumps(self.node_record()))
+            if self.agent.config.node_rank == 0:
+                store.set(control.STATUS_JOB_KEY, json.dumps(self.job_record()))
+        except RuntimeError:  # torch's store errors: a lasting loss of the store is the lease's business
+            pass
 
     # ------------------------------------------------------------ records
     def node_record(self) -> dict[str, Any]:
