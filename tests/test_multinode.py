@@ -55,7 +55,7 @@ def test_two_nodes_under_slurm_train_exactly_as_one_node_of_four(launcher_env, t
     assert [node.returncode for node in nodes] == [0, 0], outputs
     follower, leader = (out for out, _ in outputs)
     assert losses(leader) == baseline  # same world size, same sums: bit for bit
-    assert re.search(r"^\[\S+:2\]: ", follower, re.M)  # lines carry the host and the global rank
+    assert re.search(r"^\[\S+:0\]: step=0 ", leader, re.M)  # lines carry the host and the global rank
     assert not LOSS.search(follower)  # ranks 2 and 3 print nothing of their own in the example
 
 
@@ -76,7 +76,7 @@ def test_a_lost_node_is_evicted_and_the_other_nodes_workers_train_on(launcher_en
     trained = losses("".join(lines))
     assert sorted(trained) == list(range(STEPS))
     assert all(trained[s] == pytest.approx(baseline[s], rel=RTOL) for s in range(STEPS))
-    (run_dir,) = (tmp_path / "ftrun" / "runs").glob("none_*")
+    (run_dir,) = [d for d in (tmp_path / "ftrun" / "runs").glob("none_*") if (d / "events.jsonl").exists()]
     log = events(run_dir)
     lost = next(e for e in log if e["event"] == "node_lost")
     assert lost["node"] == 1 and lost["ranks"] == [2, 3]
@@ -163,6 +163,25 @@ def test_a_partitioned_node_fences_itself_and_the_others_train_on(netns_hosts, s
     assert len(pids) == 2 and not any(psutil.pid_exists(pid) for pid in pids)
 
 
+def test_ctrl_c_stops_every_agent_and_worker_on_every_host(netns_hosts, ssh_keys, launcher_env, tmp_path, workload):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("".join(f"{host.address} slots=2\n" for host in netns_hosts.hosts))
+    env = {**launcher_env, "FTRUN_SSH_OPTS": shlex.join(ssh_keys.client_options())}
+    job = subprocess.Popen([*FTRUN, "--hostfile", str(hosts), "--master-addr", netns_hosts.gateway,
+                            workload("wait_forever.py"), str(tmp_path)], env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    pids = []
+    for line in job.stderr:  # each agent's start notice names its workers
+        pids += [int(pid) for pid in re.findall(r"\(pids ([\d ]+)\)", line)[0].split()] if "(pids " in line else []
+        if len(pids) == 4:
+            break
+    processes = [psutil.Process(pid) for pid in pids] + [agent_of_node(0), agent_of_node(1)]
+    job.send_signal(signal.SIGINT)
+    assert job.wait(timeout=60) == 128 + signal.SIGINT
+    _, alive = psutil.wait_procs(processes, timeout=30)
+    assert alive == []
+
+
 @pytest.mark.parametrize("args, message", [
     (["--nnodes", "2"], "every node needs the store's address"),
     (["--nnodes", "1:2"], "a range of node counts is not supported"),
@@ -171,6 +190,7 @@ def test_a_partitioned_node_fences_itself_and_the_others_train_on(netns_hosts, s
     (["-H", "a,a"], "duplicate host 'a'"),
     (["--hostfile", "/nonexistent"], "cannot read hostfile /nonexistent"),
     (["--node-timeout", "0"], "--node-timeout must be a positive number"),
+    (["-H", "nosuchhost.invalid:1"], "cannot reach host nosuchhost.invalid over ssh: ssh: Could not resolve"),
 ])
 def test_bad_multinode_flags_get_one_line(run_ftrun, args, message):
     result = run_ftrun(*args, EXAMPLE)

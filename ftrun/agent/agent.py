@@ -308,13 +308,17 @@ class Agent:
             self.coordinator.on_start(worker)
         return worker
 
-    def live_workers(self) -> list[Worker | RemoteWorker]:
-        """Workers that have not ended: this node's, and (on the leader) the other nodes'."""
-        return [w for w in (*self.workers.values(), *self.remote.values()) if w.exitcode is None]
+    def live_workers(self) -> list[Worker]:
+        """This node's workers that have not ended."""
+        return [w for w in self.workers.values() if w.exitcode is None]
+
+    def job_workers(self) -> list[Worker | RemoteWorker]:
+        """Every live worker this agent answers for: its own and, on the leader, the other nodes'."""
+        return [*self.live_workers(), *(w for w in self.remote.values() if w.exitcode is None)]
 
     def stop_all(self, sig: int = signal.SIGTERM) -> None:
         """Signal every live worker and give them --shutdown-timeout seconds before SIGKILL."""
-        for worker in self.live_workers():
+        for worker in self.job_workers():
             worker.send_signal(sig)
         if self.stop_deadline is None:
             self.stop_deadline = time.monotonic() + self.config.shutdown_timeout
@@ -331,7 +335,7 @@ class Agent:
         """The event loop of one attempt: output, exits, control messages, mail, signals, deadlines."""
         result = self.result = AttemptResult()
         self.stop_deadline = None
-        while self.live_workers():
+        while self.job_workers():
             timeout = self.config.monitor_interval
             for key, _ in self.selector.select(timeout):
                 kind, data = key.data
@@ -353,7 +357,7 @@ class Agent:
                     self._node_lost(node, f"its lease expired (no renewal for {self.config.node_timeout:g} s)",
                                     since)
             if self.stop_deadline is not None and now > self.stop_deadline:
-                for worker in self.live_workers():
+                for worker in self.job_workers():
                     worker.send_signal(signal.SIGKILL)
                 self.stop_deadline = now + 3600
             self.status.tick(now)
@@ -540,7 +544,7 @@ class Agent:
             return
         for sig in received:
             if result.signal is not None:
-                for worker in self.live_workers():  # a second signal: no more waiting
+                for worker in self.job_workers():  # a second signal: no more waiting
                     worker.send_signal(signal.SIGKILL)
                 continue
             result.signal = sig

@@ -126,7 +126,7 @@ class GpuHealth:
 
     def workers_on(self, gpu: int) -> list[Worker]:
         """The live workers (members, spares, joiners) whose local rank uses GPU ``gpu``."""
-        return [w for w in self.agent.workers.values() if w.exitcode is None and self.gpu_of(w.slot.local_rank) == gpu]
+        return [w for w in self.agent.live_workers() if self.gpu_of(w.slot.local_rank) == gpu]
 
     # ------------------------------------------------------------ decisions
     def handle(self, health: HealthSignal, source: str = "nvml") -> Decision:

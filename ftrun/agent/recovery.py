@@ -233,7 +233,7 @@ class Coordinator:
         self.store.set(f"ftrun/a{self.agent.restart_count}/plan/{plan.gen}", message)
         self.store.set(f"ftrun/a{self.agent.restart_count}/gen", str(plan.gen))
         data = (message + "\n").encode()
-        for worker in self.agent.live_workers():
+        for worker in self.agent.job_workers():
             worker.send(data)
         self.agent.events.write("generation", gen=plan.gen, members=plan.members, reason=plan.reason,
                                 lost=plan.lost, joiners=plan.joiners, world_size=plan.world_size)
@@ -272,9 +272,9 @@ class Coordinator:
         """Fall back to a group restart, after the live workers have written their state (never lose it)."""
         self.agent.events.write("recovery_failed", reason=reason, gen=self.plan.gen)
         self.recovery = None
-        live = {w.uid for w in self.agent.live_workers() if w.uid in self.adopted}
+        live = {w.uid for w in self.agent.job_workers() if w.uid in self.adopted}
         self.rescue = Rescue(reason, time.time() + RESCUE_TIMEOUT, live)
-        for worker in self.agent.live_workers():
+        for worker in self.agent.job_workers():
             if worker.uid in live:
                 worker.send(protocol.encode(protocol.SAVE))
 
