@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ftrun.agent.drills import Drills
 from ftrun.agent.env import worker_env
 from ftrun.agent.failures import WorkerFailure, describe_failure, format_report
 from ftrun.agent.output import Console2, WorkerOutput, render_prefix
@@ -75,6 +76,7 @@ class Agent:
         self.next_mail_check = 0.0
         self.commands: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {"ping": self._ping}
         """Handlers of the commands posted to this node's mailbox (``ftrun inject``...), by their ``cmd``."""
+        Drills(self).install()
 
     # ----------------------------------------------------------------- run
     def run(self) -> int:
@@ -243,7 +245,13 @@ class Agent:
     def _ping(self, message: dict[str, Any]) -> dict[str, Any]:
         """Answer ``ping``: who this agent is and which ranks it runs."""
         return {"ok": True, "node_rank": self.config.node_rank, "pid": os.getpid(), "attempt": self.restart_count,
-                "ranks": {str(w.slot.rank): w.pid for w in self.live_workers() if not w.slot.spare}}
+                "ranks": {str(rank): w.pid for rank, w in self.ranked_workers().items()}}
+
+    def ranked_workers(self) -> dict[int, Worker]:
+        """Live workers that hold a rank, by the rank they were started as: idle spares and joiners
+        waiting to be placed are left out; a placed joiner (a respawned worker) counts."""
+        members = set(self.coordinator.plan.members)
+        return {w.slot.rank: w for w in self.live_workers() if not w.slot.spare or w.uid in members}
 
     def _unregister(self, worker: Worker) -> None:
         for obj in (worker.proc.stdout, worker.proc.stderr, worker.pidfd, worker.channel):
