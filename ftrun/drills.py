@@ -196,7 +196,7 @@ def run_chaos(job: Job, mtbf: float, duration: float, kinds: tuple[str, ...], se
 
     MTBF is uptime: each gap is drawn from an exponential of mean ``mtbf`` and runs from the end of the
     previous recovery (and the return of a respawned worker), so a fault never lands in the middle of
-    the previous one's recovery.
+    the previous one's recovery. The last live rank is never taken: chaos stops there.
     """
     if mtbf <= 0 or duration <= 0:
         raise UsageError("--mtbf and --duration must be more than 0 seconds")
@@ -210,6 +210,9 @@ def run_chaos(job: Job, mtbf: float, duration: float, kinds: tuple[str, ...], se
     injected = faults = recovered = 0
     while True:
         ranks = job.ranks()
+        if len(ranks) < 2:
+            say("chaos: one live rank left, which an in-place recovery needs; stopping")
+            break
         gap, kind, rank = schedule.next(ranks)
         if time.monotonic() + gap - start > duration:
             break
