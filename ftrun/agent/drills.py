@@ -9,8 +9,9 @@ prefix and in ``ping``), and is recorded as an ``inject`` event before it is car
 - ``slow``       the worker sleeps ``seconds`` in each step (0 clears), for ``duration`` seconds if given;
 - ``xid``, ``ecc`` a GPU health signal on the worker's GPU, through the same policy path as a real NVML event.
 
-The answer is ``{"ok": True, "message": ..., "rank", "uid", "pid", "fault"}`` (``fault``: whether the worker is
-expected to be lost, so a recovery follows) or ``{"ok": False, "error": ...}``.
+The answer is ``{"ok": True, "message": ..., "rank", "uid", "pid", "fault", "time"}`` (``fault``: whether the
+worker is expected to be lost, so a recovery follows; ``time``: the event's, just before the drill was carried
+out) or ``{"ok": False, "error": ...}``.
 """
 
 from __future__ import annotations
@@ -56,14 +57,14 @@ class Drills:
                 raise DrillError(f"unknown drill {kind!r} (choose from {', '.join(KINDS)})")
             worker = self._worker(message.get("rank"))
             args = {k: v for k, v in message.items() if k not in ("cmd", "kind", "rank", "reply_to")}
-            self.agent.events.write("inject", kind=kind, rank=worker.slot.rank, uid=worker.uid, pid=worker.pid,
-                                    args=args)
+            record = self.agent.events.write("inject", kind=kind, rank=worker.slot.rank, uid=worker.uid,
+                                             pid=worker.pid, args=args)
             what, fault = self.kinds[kind](worker, message)
         except DrillError as exc:
             return {"ok": False, "error": str(exc)}
-        return {"ok": True, "message": f"rank {worker.slot.rank} (pid {worker.pid}, node "
-                                       f"{self.agent.config.node_rank}): {what}",
-                "rank": worker.slot.rank, "uid": worker.uid, "pid": worker.pid, "fault": fault}
+        where = f"rank {worker.slot.rank} (pid {worker.pid}, node {self.agent.config.node_rank})"
+        return {"ok": True, "message": f"{where}: {what}", "rank": worker.slot.rank, "uid": worker.uid,
+                "pid": worker.pid, "fault": fault, "time": record["time"]}
 
     def _worker(self, rank: Any) -> Worker:
         """The live worker started as ``rank`` on this node."""
