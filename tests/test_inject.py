@@ -19,8 +19,10 @@ from pathlib import Path
 import pytest
 
 from ftrun import cli
+from ftrun import protocol
 from ftrun.drills import ChaosSchedule, EventFollower, drill_message
 from ftrun.errors import UsageError
+from ftrun.worker.drills import Drills, InjectedFault
 from test_recovery import COMMIT, RTOL
 
 STEPS = 200
@@ -199,10 +201,14 @@ def test_chaos_injects_seeded_faults_each_recovered_in_place(held_job, baseline,
     job.check_losses(baseline)
 
 
-def test_exception_needs_the_worker_api(live_job, workload, tmp_path, capsys):
+def test_drills_the_agent_cannot_carry_out_are_refused_in_one_line(live_job, workload, tmp_path, capsys):
+    """exception needs the worker API; xid needs GPU health in the agent (none in a CPU job's agent yet)."""
     live_job("--nproc-per-node", 2, workload("wait_forever.py"), tmp_path)
-    code, out, err = inject(capsys, "exception", "--rank", "1")
-    assert (code, out) == (2, "") and err.count("\n") == 1 and "does not use the ftrun worker API" in err
+    for args, message in ((["exception", "--rank", "1"], "rank 1 does not use the ftrun worker API"),
+                          (["xid", "79", "--rank", "0"], "GPU health is not available in this agent")):
+        code, out, err = inject(capsys, *args)
+        assert (code, out) == (2, "") and err.startswith("ftrun: error: ") and err.count("\n") == 1, err
+        assert message in err
 
 
 @pytest.mark.parametrize("args, message", [
@@ -231,3 +237,21 @@ def test_drill_messages_and_a_seeded_schedule():
 
     assert draws(5) == draws(5) != draws(6)
     assert all(gap > 0 and kind in ("kill", "hang") and rank in range(4) for gap, kind, rank in draws(5))
+
+
+def test_the_worker_raises_once_and_sleeps_while_slowed():
+    drills = Drills()
+    assert not drills.on_message({"t": protocol.PLAN})
+    assert drills.on_message({"t": protocol.RAISE, "message": "drill"})
+    with pytest.raises(InjectedFault, match="drill"):
+        drills.at_step()
+    drills.at_step()  # raised once only
+    assert drills.on_message({"t": protocol.SLOW, "seconds": 0.1, "duration": 0.3})
+    started = time.monotonic()
+    drills.at_step()
+    assert time.monotonic() - started >= 0.1
+    while time.monotonic() - started < 0.3:  # until the --for duration has passed
+        drills.at_step()
+    started = time.monotonic()
+    drills.at_step()
+    assert time.monotonic() - started < 0.1
