@@ -13,6 +13,7 @@ import random
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,8 @@ from ftrun.errors import UsageError
 
 CHAOS_KINDS = ("kill", "hang", "exception", "xid", "ecc")
 """Drills chaos may pick: the ones that lose a worker."""
+JOB_KEY_WAIT = 5.0
+"""Seconds to wait for a store's ``ftrun/job`` key before calling it not an ftrun job's."""
 CHAOS_XID = 13
 """The Xid chaos injects: "graphics engine exception", which the policy answers by restarting the rank."""
 
@@ -85,8 +88,10 @@ class Job:
     def connect(cls, endpoint: str) -> Job:
         """Connect to the job at HOST:PORT; UsageError when it is not an ftrun job."""
         store = control.connect(endpoint)
-        if not store.check([control.JOB_KEY]):
-            raise UsageError(f"the store at {endpoint} is not an ftrun job's (no {control.JOB_KEY})")
+        try:  # a job that has just started writes it right after its workers
+            store.wait([control.JOB_KEY], timedelta(seconds=JOB_KEY_WAIT))
+        except RuntimeError:  # torch's DistStoreError on timeout
+            raise UsageError(f"the store at {endpoint} is not an ftrun job's (no {control.JOB_KEY})") from None
         return cls(store, json.loads(store.get(control.JOB_KEY)))
 
     def ranks(self) -> dict[int, int]:
