@@ -9,6 +9,7 @@ drills on random live ranks, each awaited through its recovery in the run's even
 from __future__ import annotations
 
 import json
+import math
 import random
 import time
 from collections.abc import Callable, Iterable
@@ -43,10 +44,10 @@ def drill_message(kind: str, value: str | None, rank: int | None, duration: floa
         message["value"] = 1 if value is None else _number(value, int, "ecc COUNT", "a count of errors")
     elif kind == "slow":
         message["seconds"] = _number(value, float, "slow SECONDS", "seconds added to each step, 0 clears")
-        if message["seconds"] < 0:
-            raise UsageError("slow SECONDS must be 0 or more")
-        if duration is not None and duration <= 0:
-            raise UsageError("--for SECONDS must be more than 0")
+        if not 0 <= message["seconds"] < math.inf:
+            raise UsageError("slow SECONDS must be a number of seconds, 0 or more")
+        if duration is not None and not 0 < duration < math.inf:
+            raise UsageError("--for SECONDS must be a number of seconds, more than 0")
         message["duration"] = duration
     elif value is not None:
         raise UsageError(f"inject {kind} takes no value (got {value!r})")
@@ -195,8 +196,12 @@ def await_settled(follower: EventFollower, uid: int, poll: float = 0.1) -> dict[
         time.sleep(poll)  # polling a file another process appends to
 
 
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
 def run_chaos(job: Job, mtbf: float, duration: float, kinds: tuple[str, ...], seed: int | None,
-              say: Callable[[str], None] = print) -> int:
+              say: Callable[[str], None] = _say) -> int:
     """Inject faults until ``duration`` seconds have passed; 0 when every one was recovered in place.
 
     MTBF is uptime: each gap is drawn from an exponential of mean ``mtbf`` and runs from the end of the

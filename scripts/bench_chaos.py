@@ -6,7 +6,8 @@ process injects the same seeded fault schedule into both: ftrun.drills.ChaosSche
 an uptime gap (exponential, mean ``--mtbf`` seconds), a kind among ``--kinds`` and a rank among 0..3. A gap
 runs while the job is at full strength (4 workers training; ftrun runs with ``--respawn``, so it refills);
 each launcher trains for ``--duration`` seconds of such uptime, so both get exactly the same faults and
-differ in the time they spend recovering. Faults:
+differ in the time they spend recovering. (While a respawned worker starts, ftrun trains on with 3 workers:
+useful time that is not uptime, so its wall time can be the longer one.) Faults:
 
 * kill: SIGKILL the rank (ftrun: `inject kill` through the agent; torchrun: SIGKILL its pid);
 * hang: SIGSTOP the rank (ftrun: `inject hang`, found by its watchdog, ``--hang-timeout``; torchrun: SIGSTOP,
@@ -112,8 +113,10 @@ class Result:
     faults: list[Fault] = field(default_factory=list)
     ended: float = 0.0  # time.time() the measurement stopped
 
-    def ettr(self) -> float:
-        """Useful committed step time / wall time from the first commit to the end."""
+    @property
+    def useful(self) -> float:
+        """Seconds of committed step time that count: each step's last commit, timed as the gap to the
+        commit before it, or as the median step when a recovery or restart lies between them."""
         last_index = {c.step: i for i, c in enumerate(self.commits)}
         durations = [b.t - a.t for a, b in zip(self.commits, self.commits[1:]) if _same_run(a, b)]
         median = statistics.median(durations)
@@ -123,7 +126,12 @@ class Result:
                 continue
             previous, commit = self.commits[i - 1], self.commits[i]
             useful += commit.t - previous.t if _same_run(previous, commit) else median
-        return useful / self.wall
+        return useful
+
+    @property
+    def ettr(self) -> float:
+        """Goodput: useful committed step time / wall time from the first commit to the end."""
+        return self.useful / self.wall
 
     @property
     def wall(self) -> float:
@@ -244,12 +252,11 @@ def report(results: dict[str, Result], args: argparse.Namespace) -> None:
         return f"{a / b:14.3f}" if a is not None and b else f"{'-':>14s}"
 
     print(f"\n{'':38s} {'torchrun':>12s} {'ftrun':>12s} {'ftrun/torchrun':>14s}")
-    ettr = {name: r.ettr() for name, r in results.items()}
-    print(f"{'goodput (ETTR)':38s} {ettr['torchrun']:12.3f} {ettr['ftrun']:12.3f} "
-          f"{ratio(ettr['ftrun'], ettr['torchrun'])}")
-    wall = {name: r.wall for name, r in results.items()}
-    print(f"{'wall time from first step (s)':38s} {wall['torchrun']:12.1f} {wall['ftrun']:12.1f} "
-          f"{ratio(wall['ftrun'], wall['torchrun'])}")
+    for label, value, form in (("goodput (ETTR)", "ettr", "12.3f"), ("useful step time (s)", "useful", "12.1f"),
+                               ("wall time from first step (s)", "wall", "12.1f")):
+        values = {name: getattr(r, value) for name, r in results.items()}
+        print(f"{label:38s} {values['torchrun']:{form}} {values['ftrun']:{form}} "
+              f"{ratio(values['ftrun'], values['torchrun'])}")
     survived = {name: f"{sum(f.resumed_at is not None for f in r.faults)}/{len(r.faults)}"
                 for name, r in results.items()}
     print(f"{'faults survived':38s} {survived['torchrun']:>12s} {survived['ftrun']:>12s}")

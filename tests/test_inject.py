@@ -151,7 +151,7 @@ def test_slow_kill_exception_and_hang_drills_on_one_live_job(held_job, baseline,
     """Slow rank 0, then clear it; kill rank 3, raise in rank 2, hang rank 1: three in-place recoveries."""
     job = held_job()
     gaps = gaps_of(job.commits(uid=0))
-    next(stamp for _, stamp in islice(gaps, 3, None))
+    next(islice(gaps, 3, None))  # training is under way
     assert any(gap < SLOW for gap, _ in islice(gaps, 3))  # held pace: the slow drill below is measurable
 
     code, out, _ = inject(capsys, "slow", str(SLOW), "--rank", "0")
@@ -179,7 +179,10 @@ def test_slow_kill_exception_and_hang_drills_on_one_live_job(held_job, baseline,
 
     assert job.finish() == 0, "".join(job.stderr)[-3000:]
     exits = {e["uid"]: e["exitcode"] for e in job.of("worker_exit")}
-    assert exits == {0: 0, 1: -9, 2: 1, 3: -9}
+    # rank 2 raised: it exits with 1, unless its interpreter teardown outlasts --hang-timeout (seen on a
+    # loaded machine: stuck garbage-collecting the group), and the watchdog kills it (a hang event for it)
+    hung = {e["uid"] for e in job.of("hang")}
+    assert exits == {0: 0, 1: -9, 2: -9 if 2 in hung else 1, 3: -9} and 1 in hung
     assert "InjectedFault: exception injected by ftrun inject into rank 2" in "".join(job.stderr)
     job.check_losses(baseline)
 
@@ -189,13 +192,19 @@ def test_chaos_injects_seeded_faults_each_recovered_in_place(held_job, baseline,
     job = held_job()
     next(step for _, step in job.commits(uid=0) if step >= 3)
     code, out, err = inject(capsys, "chaos", "--mtbf", "0.5", "--duration", "60", "--kinds", "kill,hang,exception",
-                            "--seed", "7")
+                            "--seed", "26")
     assert code == 0, out + err
     assert out.count(": recovered in ") == 3 and "one live rank left" in out, out
     assert job.finish() == 0, "".join(job.stderr)[-3000:]
     injected = job.of("inject")
     recoveries = job.of("recovery")
     assert len(injected) == len(recoveries) == 3
+    schedule, ranks, expected = ChaosSchedule(0.5, ("kill", "hang", "exception"), seed=26), {0, 1, 2, 3}, []
+    for _ in range(3):  # the seed decides: each fault takes a live rank out of the draw
+        _, kind, rank = schedule.next(ranks)
+        expected.append((kind, rank))
+        ranks.remove(rank)
+    assert [(e["kind"], e["rank"]) for e in injected] == expected
     assert [r["lost_uids"] for r in recoveries] == [[e["uid"]] for e in injected]
     assert [r["world_after"] for r in recoveries] == [3, 2, 1] and all(r["steps_lost"] == 0 for r in recoveries)
     job.check_losses(baseline)
