@@ -1,7 +1,8 @@
 """Fault drills served by the agent: the ``inject`` command posted to its node's mailbox by `ftrun inject`.
 
 Each drill acts on one local worker, named by its rank (the rank it was started with, as in its console
-prefix and in ``ping``), and is recorded as an ``inject`` event before it is carried out:
+prefix and in ``ping``), and is recorded as an ``inject`` event as it is carried out (the agent's loop is
+single-threaded, so the event precedes the worker's exit and the recovery; a refused drill is not recorded):
 
 - ``kill``       SIGKILL the worker;
 - ``hang``       SIGSTOP it (the hang watchdog then dumps its stacks and kills it);
@@ -10,8 +11,8 @@ prefix and in ``ping``), and is recorded as an ``inject`` event before it is car
 - ``xid``, ``ecc`` a GPU health signal on the worker's GPU, through the same policy path as a real NVML event.
 
 The answer is ``{"ok": True, "message": ..., "rank", "uid", "pid", "fault", "time"}`` (``fault``: whether the
-worker is expected to be lost, so a recovery follows; ``time``: the event's, just before the drill was carried
-out) or ``{"ok": False, "error": ...}``.
+worker is expected to be lost, so a recovery follows; ``time``: the event's, as the drill was carried out)
+or ``{"ok": False, "error": ...}``.
 """
 
 from __future__ import annotations
@@ -56,12 +57,12 @@ class Drills:
             if kind not in self.kinds:
                 raise DrillError(f"unknown drill {kind!r} (choose from {', '.join(KINDS)})")
             worker = self._worker(message.get("rank"))
-            args = {k: v for k, v in message.items() if k not in ("cmd", "kind", "rank", "reply_to")}
-            record = self.agent.events.write("inject", kind=kind, rank=worker.slot.rank, uid=worker.uid,
-                                             pid=worker.pid, args=args)
             what, fault = self.kinds[kind](worker, message)
         except DrillError as exc:
             return {"ok": False, "error": str(exc)}
+        args = {k: v for k, v in message.items() if k not in ("cmd", "kind", "rank", "reply_to")}
+        record = self.agent.events.write("inject", kind=kind, rank=worker.slot.rank, uid=worker.uid,
+                                         pid=worker.pid, args=args)
         where = f"rank {worker.slot.rank} (pid {worker.pid}, node {self.agent.config.node_rank})"
         return {"ok": True, "message": f"{where}: {what}", "rank": worker.slot.rank, "uid": worker.uid,
                 "pid": worker.pid, "fault": fault, "time": record["time"]}
