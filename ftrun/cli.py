@@ -172,6 +172,41 @@ def status(
     raise typer.Exit(show(endpoint, run_id, log_dir, as_json, watch))
 
 
+@app.command(context_settings={"help_option_names": ["-h", "--help"]})
+def inject(
+    kind: str = typer.Argument(..., help="kill, hang, exception, xid CODE, ecc [COUNT], slow SECONDS, or chaos."),
+    value: Optional[str] = typer.Argument(None, help="xid: the Xid code; ecc: the error count (1); "
+                                                     "slow: seconds added to each step (0 clears)."),
+    rank: Optional[int] = typer.Option(None, "--rank", help="The rank to act on (as in its console prefix)."),
+    duration_of_slow: Optional[float] = typer.Option(None, "--for", help="slow: only for this many seconds."),
+    mtbf: Optional[float] = typer.Option(None, "--mtbf", help="chaos: mean seconds of uptime between faults."),
+    duration: Optional[float] = typer.Option(None, "--duration", help="chaos: seconds to keep injecting."),
+    kinds: str = typer.Option("kill,hang,exception", "--kinds", help="chaos: the faults to draw from "
+                                                                     "(kill, hang, exception, xid, ecc)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="chaos: seed of the fault schedule."),
+    run_id: Optional[str] = typer.Option(None, "--run-id", help="The job's run id (default: the only job here)."),
+    endpoint: Optional[str] = typer.Option(None, "--endpoint", help="The job's store, HOST:PORT."),
+) -> None:
+    """Drill a fault into a running job: kill, hang, exception, xid, ecc or slow one rank, or run chaos.
+
+    Exit codes: 0 done (chaos: every fault recovered in place), 1 chaos saw a fault not recovered in place,
+    2 bad input: unknown drill, no running job, no such rank, a drill the agent refuses.
+    """
+    from ftrun import drills
+
+    if kind == "chaos":
+        if mtbf is None or duration is None:
+            raise UsageError("inject chaos needs --mtbf SECONDS and --duration SECONDS")
+        if rank is not None or value is not None:
+            raise UsageError("inject chaos picks its ranks itself: drop --rank and the value")
+        chosen = drills.parse_kinds(kinds)
+        job = drills.Job.connect(drills.job_endpoint(run_id, endpoint))
+        raise typer.Exit(drills.run_chaos(job, mtbf, duration, chosen, seed))
+    message = drills.drill_message(kind, value, rank, duration_of_slow)
+    job = drills.Job.connect(drills.job_endpoint(run_id, endpoint))
+    print(job.inject(message)["message"])
+
+
 def _with_default_command(argv: list[str]) -> list[str]:
     """`ftrun [flags] script.py` means `ftrun run [flags] script.py`."""
     if argv and argv[0] not in SUBCOMMANDS and argv[0] not in ("--help", "-h"):

@@ -28,6 +28,8 @@ SAVED = "saved"  # the worker wrote its state for a group restart: {step}
 # agent -> worker
 PLAN = "plan"  # a new generation: Plan fields
 SAVE = "save"  # recovery failed: write your state to FTRUN_RUN_DIR/rescue before the group restart
+RAISE = "raise"  # a drill (`ftrun inject exception`): raise InjectedFault(message) at the next step: {message}
+SLOW = "slow"  # a drill (`ftrun inject slow`): sleep `seconds` in each step, for `duration` s (None: until cleared)
 
 
 UID_STRIDE = 100_000

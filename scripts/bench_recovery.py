@@ -40,9 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
-
-from bench_runs import Run, command_line, ended, lines, machine, start, stop
+from bench_runs import Run, command_line, ended, lines, machine, start, stop, worker_with_rank
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "scripts" / "bench_workloads" / "train_ckpt.py"
@@ -89,17 +87,6 @@ class Drill:
         return max(0, self.last_before - self.resumed_at + 1)
 
 
-def victim(launcher_pid: int) -> psutil.Process:
-    """The launcher's worker with RANK=1 (the launcher's descendants running train_ckpt.py)."""
-    for process in psutil.Process(launcher_pid).children(recursive=True):
-        try:
-            if process.environ().get("RANK") == "1" and TRAIN.name in " ".join(process.cmdline()):
-                return process
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    raise RuntimeError("no worker with RANK=1 found")
-
-
 def recovery_event(run_dir: Path, timeout: float = 10.0) -> dict[str, Any]:
     """ftrun's "recovery" event from <run dir>/events.jsonl, waiting for it to be written."""
     deadline = time.monotonic() + timeout
@@ -137,7 +124,7 @@ def follow(run: Run, launcher: str, args: argparse.Namespace) -> Drill:
         step, stamp, world, attempt = int(match[1]), float(match[2]), int(match[3]), int(match[4])
         recovered = world < WORLD or attempt > 0
         if killed_at < 0 and step >= args.kill_at:
-            worker = victim(run.proc.pid)
+            worker = worker_with_rank(run.proc.pid, 1, TRAIN.name)
             run_dir = worker.environ().get("FTRUN_RUN_DIR")
             killed_at, killed_after = time.time(), step
             os.kill(worker.pid, signal.SIGKILL)

@@ -3,7 +3,8 @@
 ``start`` runs a command from the repository root (without any FTRUN_* or TORCHELASTIC_* variables of
 this process) and stamps each of its output lines (stdout and stderr together) with time.perf_counter()
 on arrival; ``lines`` yields them with a deadline; ``stop`` ends the launcher and whatever it started.
-``machine`` and ``command_line`` describe where and how a benchmark ran, for its printed report.
+``worker_with_rank`` finds a launcher's worker by its rank; ``machine`` and ``command_line`` describe
+where and how a benchmark ran, for its printed report.
 """
 
 from __future__ import annotations
@@ -87,6 +88,17 @@ def stop(run: Run) -> None:
     _, alive = psutil.wait_procs(family, timeout=5)
     for process in alive:
         process.kill()
+
+
+def worker_with_rank(launcher_pid: int, rank: int, script: str) -> psutil.Process:
+    """The launcher's descendant running ``script`` (a file name) with RANK=``rank`` in its environment."""
+    for process in psutil.Process(launcher_pid).children(recursive=True):
+        try:
+            if process.environ().get("RANK") == str(rank) and script in " ".join(process.cmdline()):
+                return process
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    raise RuntimeError(f"no worker with RANK={rank} found")
 
 
 def machine() -> str:

@@ -16,6 +16,7 @@ from typing import Any
 
 from ftrun import control, registry
 from ftrun.agent.cluster import LeaseKeeper, NodeLeases, Relay, RemoteWorker, node_of
+from ftrun.agent.drills import Drills
 from ftrun.agent.env import worker_env
 from ftrun.agent.failures import WorkerFailure, describe_failure, format_report
 from ftrun.agent.gpu_health import WAKE, GpuHealth
@@ -91,6 +92,7 @@ class Agent:
         self.local_world = config.nproc_per_node
         """Training workers this attempt starts on this node: fewer than --nproc-per-node after a GPU eviction."""
         self.attempt_failure: str | None = None  # set by end_attempt: why the current attempt is being ended
+        Drills(self).install()
 
     # ----------------------------------------------------------------- run
     def run(self) -> int:
@@ -466,8 +468,13 @@ class Agent:
     def _ping(self, message: dict[str, Any]) -> dict[str, Any]:
         """Answer ``ping``: who this agent is and which ranks it runs."""
         return {"ok": True, "node_rank": self.config.node_rank, "pid": os.getpid(), "attempt": self.restart_count,
-                "ranks": {str(w.slot.rank): w.pid for w in self.workers.values()
-                          if w.exitcode is None and not w.slot.spare}}
+                "ranks": {str(rank): w.pid for rank, w in self.ranked_workers().items()}}
+
+    def ranked_workers(self) -> dict[int, Worker]:
+        """Live workers that hold a rank, by the rank they were started as: idle spares and joiners
+        waiting to be placed are left out; a placed joiner (a respawned worker) counts."""
+        members = set(self.coordinator.plan.members)
+        return {w.slot.rank: w for w in self.live_workers() if not w.slot.spare or w.uid in members}
 
     def _unregister(self, worker: Worker) -> None:
         for obj in (worker.proc.stdout, worker.proc.stderr, worker.pidfd, worker.channel):

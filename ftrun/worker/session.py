@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ftrun import protocol
 from ftrun.protocol import Plan, initial_members
 from ftrun.worker.channel import AgentChannel
+from ftrun.worker.drills import Drills
 from ftrun.worker.group import Communicator, Superseded
 from ftrun.worker.state import Stateful, load_rescue, pack, save_rescue, unpack
 
@@ -59,6 +60,7 @@ class Session:
         self._epoch = 0  # steps and recoveries started: a late collective failure only fails its own epoch
         self._entered_epoch = -1  # the epoch whose first collective was reported to the agent
         self._step_started = 0.0
+        self._drills = Drills()  # `ftrun inject exception|slow`, acted out at the start of a step
         atexit.register(_shut_down_group)
         if not self.managed:
             dist.init_process_group(self.backend, timeout=timeout)
@@ -130,6 +132,7 @@ class Session:
                 self._step, self._step_failed = step, False
                 self._epoch += 1
             self._step_started = time.monotonic()
+            self._drills.at_step()
             yield step
             if self.committed_step == step:
                 step += 1
@@ -238,6 +241,8 @@ class Session:
     # -------------------------------------------------------------- watcher
     def _on_message(self, message: dict[str, Any]) -> None:
         """Runs on the channel thread: a new plan poisons the current generation and frees a blocked step."""
+        if self._drills.on_message(message):
+            return
         if message.get("t") == protocol.SAVE:
             self._save_rescue()
         if message.get("t") != protocol.PLAN:
