@@ -167,6 +167,7 @@ class Relay:
         # what this node knows of the job, for its status record
         self.plan = protocol.Plan(0, protocol.initial_members(agent.sizes))
         self.last_step: dict[int, int] = {}
+        self.adopted: set[int] = set()  # workers that joined through the API
         self.recovery: int | None = None  # the generation being recovered into, until its first commit here
 
     def on_relay(self, data: bytes) -> None:
@@ -195,6 +196,7 @@ class Relay:
         """A control message from a worker of this node: fed to the watchdog, passed on when the leader needs it."""
         uid, kind = worker.uid, message.get("t")
         if kind == protocol.HELLO:
+            self.adopted.add(uid)
             self.watchdog.started(uid)
         elif kind == protocol.ENTERED:
             self.watchdog.entered(uid, message["step"])

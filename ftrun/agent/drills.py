@@ -95,7 +95,7 @@ class Drills:
     def _exception(self, worker: Worker, _message: dict[str, Any]) -> tuple[str, bool]:
         self._uses_api(worker, "exception")
         text = f"exception injected by ftrun inject into rank {worker.slot.rank}"
-        self.agent.coordinator._send(worker, protocol.encode(protocol.RAISE, message=text))
+        worker.send(protocol.encode(protocol.RAISE, message=text))
         return "will raise InjectedFault at its next step", True
 
     def _slow(self, worker: Worker, message: dict[str, Any]) -> tuple[str, bool]:
@@ -105,7 +105,7 @@ class Drills:
             raise DrillError(f"slow needs SECONDS >= 0, not {seconds!r}")
         if duration is not None and (not isinstance(duration, (int, float)) or duration <= 0):
             raise DrillError(f"--for needs SECONDS > 0, not {duration!r}")
-        self.agent.coordinator._send(worker, protocol.encode(protocol.SLOW, seconds=seconds, duration=duration))
+        worker.send(protocol.encode(protocol.SLOW, seconds=seconds, duration=duration))
         if seconds == 0:
             return "steps no longer slowed", False
         return f"each step slowed by {seconds:g} s" + (f" for {duration:g} s" if duration else ""), False
