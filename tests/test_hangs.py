@@ -50,6 +50,11 @@ def test_a_stopped_process_is_a_culprit_even_inside_the_collective():
     assert hung_ranks(ranks) == ([1], False)
 
 
+def test_a_stopped_rank_explains_a_peer_that_went_quiet_outside_a_reported_collective():
+    ranks = {0: activity(5, False), 1: activity(5, False, stopped=True), 2: activity(5, True)}
+    assert hung_ranks(ranks) == ([1], False)
+
+
 def test_all_ranks_silent_in_a_collective_means_the_group_is_stuck():
     assert hung_ranks({0: activity(5, True), 1: activity(5, True)}) == ([], True)
 

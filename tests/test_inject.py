@@ -210,14 +210,31 @@ def test_chaos_injects_seeded_faults_each_recovered_in_place(held_job, baseline,
     job.check_losses(baseline)
 
 
-def test_drills_the_agent_cannot_carry_out_are_refused_in_one_line(live_job, workload, tmp_path, capsys):
-    """exception needs the worker API; xid needs GPU health in the agent (none in a CPU job's agent yet)."""
+def test_xid_and_ecc_drills_go_through_the_gpu_health_policy(held_job, baseline, capsys):
+    """On a CPU job each local rank stands for a GPU: Xid 48 and an uncorrected ECC error evict the GPU (its
+    rank is lost, the others recover in place); Xid 92 is only recorded."""
+    job = held_job()
+    next(step for _, step in job.commits(uid=0) if step >= 3)
+    for args, rank, world, action in ((["xid", "48"], 3, 4, "evict_gpu"), (["ecc"], 2, 3, "evict_gpu"),
+                                      (["xid", "92"], 0, None, "ignore")):
+        code, out, _ = inject(capsys, *args, "--rank", str(rank))
+        assert code == 0 and f": {action} (GPU {rank}: " in out, out
+        health = job.await_event(event="gpu_health", source="inject", local_rank=rank)
+        assert (health["kind"], health["value"], health["action"]) == (
+            "xid" if args[0] == "xid" else "ecc_uncorrected", int(args[1]) if len(args) > 1 else 1, action)
+        if world is not None:
+            injected = job.await_event(event="inject", kind=args[0], rank=rank)
+            check_in_place(job.await_event(event="recovery", lost_uids=[injected["uid"]]), rank, world)
+    assert job.finish() == 0, "".join(job.stderr)[-3000:]
+    assert len(job.of("recovery")) == 2 and {e["gpu"] for e in job.of("gpu_health")} == {3, 2, 0}
+    job.check_losses(baseline)
+
+
+def test_an_exception_drill_needs_the_worker_api_and_is_refused_in_one_line(live_job, workload, tmp_path, capsys):
     live_job("--nproc-per-node", 2, workload("wait_forever.py"), tmp_path)
-    for args, message in ((["exception", "--rank", "1"], "rank 1 does not use the ftrun worker API"),
-                          (["xid", "79", "--rank", "0"], "GPU health is not available in this agent")):
-        code, out, err = inject(capsys, *args)
-        assert (code, out) == (2, "") and err.startswith("ftrun: error: ") and err.count("\n") == 1, err
-        assert message in err
+    code, out, err = inject(capsys, "exception", "--rank", "1")
+    assert (code, out) == (2, "") and err.startswith("ftrun: error: ") and err.count("\n") == 1, err
+    assert "rank 1 does not use the ftrun worker API" in err
 
 
 @pytest.mark.parametrize("args, message", [

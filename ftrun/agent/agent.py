@@ -69,7 +69,6 @@ class Agent:
             self.run_dir = self.run_dir / f"node{config.node_rank}"
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.events = EventLog(self.run_dir / "events.jsonl")
-        self.status = StatusPublisher(self)
         self.selector = selectors.DefaultSelector()
         self.workers: dict[int, Worker] = {}
         self.remote: dict[int, RemoteWorker] = {}  # the leader's handles on other nodes' workers
@@ -89,6 +88,7 @@ class Agent:
         self.commands: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {"ping": self._ping}
         """Handlers of the commands posted to this node's mailbox (``ftrun inject``...), by their ``cmd``."""
         self.gpu_health = GpuHealth(self, config.xid_table)
+        self.status = StatusPublisher(self, self.gpu_health.gpu_status)
         self.local_world = config.nproc_per_node
         """Training workers this attempt starts on this node: fewer than --nproc-per-node after a GPU eviction."""
         self.attempt_failure: str | None = None  # set by end_attempt: why the current attempt is being ended

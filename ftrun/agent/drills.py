@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ftrun import protocol
+from ftrun.health.signals import Action
 
 if TYPE_CHECKING:
     from ftrun.agent.agent import Agent
@@ -111,13 +112,13 @@ class Drills:
         return f"each step slowed by {seconds:g} s" + (f" for {duration:g} s" if duration else ""), False
 
     def _gpu(self, worker: Worker, message: dict[str, Any]) -> tuple[str, bool]:
-        health = getattr(self.agent, "gpu_health", None)
-        if health is None:
-            raise DrillError("GPU health is not available in this agent, so xid and ecc cannot be injected")
         value = message.get("value")
         if not isinstance(value, int):
             raise DrillError(f"{message['kind']} needs an integer value, not {value!r}")
         kind = "xid" if message["kind"] == "xid" else "ecc_uncorrected"
-        decision = health.inject(kind, worker.slot.local_rank, value)
+        try:
+            decision = self.agent.gpu_health.inject(kind, worker.slot.local_rank, value)
+        except ValueError as exc:
+            raise DrillError(str(exc)) from None
         return f"{kind} {value} on its GPU: {decision.action.value} ({decision.reason})", \
-            decision.action.value != "ignore"
+            decision.action is not Action.IGNORE

@@ -59,8 +59,11 @@ def hung_ranks(activity: Mapping[int, RankActivity]) -> tuple[list[int], bool]:
 
     A rank past its timeout is a culprit when its process is stopped, or when it went quiet outside any
     collective (a hang in its own code): the peers blocked in a collective waiting for it are victims.
-    If every rank is past its timeout and each waits in a collective, the group as a whole is stuck.
+    A stopped process explains its peers' silence, wherever they wait (some collectives, such as DDP's
+    bucket rebuild in a forward pass, are not reported): while one is stopped, only stopped ranks are
+    culprits. If every rank is past its timeout and each waits in a collective, the group is stuck.
     """
     silent = {rank: a for rank, a in activity.items() if a.silent_for > a.timeout}
-    culprits = sorted(rank for rank, a in silent.items() if a.stopped or not a.in_collective)
+    stopped = sorted(rank for rank, a in silent.items() if a.stopped)
+    culprits = stopped or sorted(rank for rank, a in silent.items() if not a.in_collective)
     return culprits, bool(silent) and not culprits and len(silent) == len(activity)
