@@ -219,11 +219,11 @@ def test_xid_and_ecc_drills_go_through_the_gpu_health_policy(held_job, baseline,
                                       (["xid", "92"], 0, None, "ignore")):
         code, out, _ = inject(capsys, *args, "--rank", str(rank))
         assert code == 0 and f": {action} (GPU {rank}: " in out, out
-        health = job.await_event(event="gpu_health", source="inject", local_rank=rank)
-        assert (health["kind"], health["value"], health["action"]) == (
-            "xid" if args[0] == "xid" else "ecc_uncorrected", int(args[1]) if len(args) > 1 else 1, action)
+        injected = job.await_event(event="inject", kind=args[0], rank=rank)  # written after the drill is done
+        (health,) = [e for e in job.of("gpu_health") if e["local_rank"] == rank]
+        assert (health["source"], health["kind"], health["value"], health["action"]) == (
+            "inject", "xid" if args[0] == "xid" else "ecc_uncorrected", int(args[1]) if len(args) > 1 else 1, action)
         if world is not None:
-            injected = job.await_event(event="inject", kind=args[0], rank=rank)
             check_in_place(job.await_event(event="recovery", lost_uids=[injected["uid"]]), rank, world)
     assert job.finish() == 0, "".join(job.stderr)[-3000:]
     assert len(job.of("recovery")) == 2 and {e["gpu"] for e in job.of("gpu_health")} == {3, 2, 0}

@@ -163,10 +163,27 @@ class Session:
             optimizer.step()
             self.committed_step = self._step
         optimizer.zero_grad(set_to_none=True)
+        self._rebuild_buckets()
         if self.channel is not None:
             self.channel.send(protocol.PROGRESS, gen=self.gen, step=self._step, time=time.time(),
                               step_time=time.monotonic() - self._step_started)
         return total
+
+    def _rebuild_buckets(self) -> None:
+        """Run DDP's one-time bucket rebuild (a broadcast) now, not in the next forward pass.
+
+        A fresh DDP (at the start, and after each recovery) rebuilds its buckets once, at the start of
+        its second forward pass: a collective outside the comm hook, which would raise in the user's
+        ``model(x)`` if a peer died then. Here, a failure is left for the next step to meet, as any other.
+        """
+        if not torch.is_grad_enabled():
+            return
+        for model, _ in self._ddps:
+            try:
+                if model.reducer._rebuild_buckets():
+                    model._has_rebuilt_buckets = True
+            except RuntimeError:
+                return  # the group broke: the next step's collectives fail too and recovery follows
 
     # ------------------------------------------------------ hook and issuing
     def _allreduce_hook(self, _state, bucket):  # noqa: ANN001, ANN202 -- DDP rejects string annotations here
