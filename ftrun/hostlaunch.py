@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from ftrun import control, registry
 from ftrun.agent import remote
 from ftrun.agent.agent import default_runs_root
-from ftrun.agent.cluster import LEADER_BOX
+from ftrun.agent.cluster import LEADER_BOX, evicted_key
 from ftrun.agent.output import Console2
 from ftrun.agent.workers import die_with_parent
 from ftrun.config import LaunchConfig
@@ -215,7 +215,11 @@ class HostLauncher:
         return None
 
     def _stop_agents(self) -> float:
-        """SIGTERM every agent still running (over ssh: close ssh's stdin, and the remote side sends it)."""
+        """SIGTERM every agent still running (over ssh: close ssh's stdin, and the remote side sends it).
+
+        The ssh session of a node the leader declared lost may hang on a dead link until ssh gives up: it
+        is ended at once (that node has fenced itself, or is gone).
+        """
         for agent in self.agents:
             if agent.exitcode is not None:
                 continue
@@ -224,6 +228,8 @@ class HostLauncher:
                     os.killpg(agent.proc.pid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
+            elif self.store.check([evicted_key(agent.node)]):
+                agent.proc.kill()
             elif not agent.proc.stdin.closed:
                 agent.proc.stdin.close()
         return time.monotonic() + self.config.shutdown_timeout + 5

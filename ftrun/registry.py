@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
