@@ -65,6 +65,7 @@ class AgentProcess:
     stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=20))
     buffers: dict[int, bytes] = field(default_factory=dict)
     exitcode: int | None = None
+    ended_at: float = 0.0  # wall clock, when the launcher saw it end
 
 
 class HostLauncher:
@@ -150,7 +151,7 @@ class HostLauncher:
                     self._pass_on(key.fileobj, *key.data)
             for agent in self.agents:
                 if agent.exitcode is None and agent.proc.poll() is not None and not self._open_pipes(agent):
-                    agent.exitcode = agent.proc.returncode
+                    agent.exitcode, agent.ended_at = agent.proc.returncode, time.time()
                     if self._agent_ended(agent):
                         stopping = stopping or self._stop_agents()
             if stopping is not None and time.monotonic() > stopping:
@@ -192,7 +193,8 @@ class HostLauncher:
         if agent.exitcode != 0:
             why = f"the agent on {agent.host.name} ended: {self._why(agent)}"
             self.console.notice(f"ftrun: node {agent.node}: {why}", style="bold yellow")
-            control.post(self.store, LEADER_BOX, {"t": "node_gone", "node": agent.node, "reason": why})
+            control.post(self.store, LEADER_BOX, {"t": "node_gone", "node": agent.node, "reason": why,
+                                                  "since": agent.ended_at})
         return False
 
     def _why(self, agent: AgentProcess) -> str:

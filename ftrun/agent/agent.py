@@ -404,7 +404,7 @@ class Agent:
         kind, uid = message["t"], message.get("uid")
         if kind == "node_gone":
             if message["node"] in self.leases.seen:
-                self._node_lost(message["node"], message["reason"])
+                self._node_lost(message["node"], message["reason"], message["since"])
             return
         if kind == "worker_start":
             slot = WorkerSlot(uid=uid, worker_id=f"{node_of(uid)}:{uid}", local_rank=message["local_rank"],
