@@ -20,6 +20,7 @@ import os
 import queue
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
@@ -147,3 +148,15 @@ def open_store(host: str, port: int, timeout: float) -> Any:
 
     return TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=timeout),
                     use_libuv=True)
+
+
+def open_store_retrying(host: str, port: int, call_timeout: float, total: float) -> Any:
+    """A connection whose calls wait at most ``call_timeout`` s (a short socket timeout is set when connecting),
+    retried for ``total`` s: the store may be served later than this process starts."""
+    deadline = time.monotonic() + total
+    while True:
+        try:
+            return open_store(host, port, call_timeout)
+        except RuntimeError:
+            if time.monotonic() > deadline:
+                raise

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 
 from ftrun import control, registry
 from ftrun.agent import remote
-from ftrun.agent.agent import default_runs_root
 from ftrun.agent.cluster import LEADER_BOX, evicted_key
 from ftrun.agent.output import Console2
 from ftrun.agent.workers import die_with_parent
@@ -76,7 +75,7 @@ class HostLauncher:
         self.console = console
         self.hosts = config.hosts or []
         self.run_name = f"{config.run_id}_{uuid.uuid4().hex[:8]}"
-        self.run_dir = (config.log_dir or default_runs_root()) / self.run_name
+        self.run_dir = (config.log_dir or registry.default_runs_root()) / self.run_name
         self.selector = selectors.DefaultSelector()
         self.agents: list[AgentProcess] = []
         self.store = None

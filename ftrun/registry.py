@@ -30,6 +30,17 @@ class RunEntry:
         return f"{self.host}:{self.port}"
 
 
+def default_runs_root() -> Path:
+    """Where runs without --log-dir keep their event logs and error files: ``<cache>/ftrun/runs``."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    root = Path(cache) / "ftrun" / "runs"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        return root
+    except OSError:
+        return Path(tempfile.mkdtemp(prefix="ftrun_"))
+
+
 def registry_dir() -> Path:
     """``$XDG_RUNTIME_DIR/ftrun/runs`` when there is one, else ``<cache>/ftrun/registry``."""
     runtime = os.environ.get("XDG_RUNTIME_DIR")

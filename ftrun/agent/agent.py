@@ -6,19 +6,16 @@ import json
 import os
 import selectors
 import signal
-import tempfile
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ftrun import control, registry
-from ftrun.agent.cluster import LeaseKeeper, NodeLeases, Relay, RemoteWorker, node_of
+from ftrun.agent.cluster import Followers, LeaseKeeper, Relay, RemoteWorker, node_of
 from ftrun.agent.drills import Drills
 from ftrun.agent.env import worker_env
-from ftrun.agent.failures import WorkerFailure, describe_failure, format_report
+from ftrun.agent.failures import AttemptResult, WorkerFailure, describe_failure, format_report
 from ftrun.agent.gpu_health import WAKE, GpuHealth
 from ftrun.agent.output import Console2, WorkerOutput, render_prefix
 from ftrun.agent.recovery import Coordinator
@@ -31,29 +28,8 @@ from ftrun.protocol import UID_STRIDE
 from ftrun.store import StoreHost
 
 
-def default_runs_root() -> Path:
-    """Where runs without --log-dir keep their event log and error files."""
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    root = Path(cache) / "ftrun" / "runs"
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        return root
-    except OSError:
-        return Path(tempfile.mkdtemp(prefix="ftrun_"))
-
-
 STORE_TIMEOUT = 300.0
 """Seconds an agent's store calls may wait (a follower waits this long for node 0 to serve the store)."""
-
-
-@dataclass
-class AttemptResult:
-    """How one attempt (one start of the worker group) ended."""
-
-    succeeded: bool = False
-    signal: int | None = None
-    failures: list[WorkerFailure] = field(default_factory=list)
-    reason: str = ""
 
 
 class Agent:
@@ -63,7 +39,7 @@ class Agent:
         self.config = config
         self.store_host = store_host  # None: another process serves the store (node 0, or the hostfile launcher)
         self.console = console
-        root = config.log_dir or default_runs_root()
+        root = config.log_dir or registry.default_runs_root()
         self.run_dir = root / (config.run_name or f"{config.run_id}_{uuid.uuid4().hex[:8]}")
         if config.node_rank > 0:
             self.run_dir = self.run_dir / f"node{config.node_rank}"
@@ -71,7 +47,6 @@ class Agent:
         self.events = EventLog(self.run_dir / "events.jsonl")
         self.selector = selectors.DefaultSelector()
         self.workers: dict[int, Worker] = {}
-        self.remote: dict[int, RemoteWorker] = {}  # the leader's handles on other nodes' workers
         self.outputs: dict[int, WorkerOutput] = {}
         self.first_uid = config.node_rank * UID_STRIDE
         self.next_uid = self.first_uid
@@ -83,7 +58,7 @@ class Agent:
         self.result = AttemptResult()  # how the current attempt is going
         self.store = None  # the agent's own store handle, once the store is served
         self.mail: control.MailReader | None = None
-        self.leases: NodeLeases | None = None  # the leader's watch over the followers' leases
+        self.followers: Followers | None = None  # the leader's view of the other nodes
         self.lease: LeaseKeeper | None = None  # a follower's own lease
         self.commands: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {"ping": self._ping}
         """Handlers of the commands posted to this node's mailbox (``ftrun inject``...), by their ``cmd``."""
@@ -146,17 +121,6 @@ class Agent:
         host = "127.0.0.1" if self.store_host is not None else self.config.store.host
         return control.open_store(host, self.store_port, timeout)
 
-    def _connect_store_within(self, call_timeout: float) -> Any:
-        """A connection whose calls wait at most ``call_timeout`` s; connecting is retried for STORE_TIMEOUT s
-        (node 0 may start serving the store later than this agent starts)."""
-        deadline = time.monotonic() + STORE_TIMEOUT
-        while True:
-            try:
-                return self._connect_store(call_timeout)
-            except RuntimeError:
-                if time.monotonic() > deadline:
-                    raise
-
     def _open_store(self) -> Any:
         """Serve the store (or connect to it), and start this node's mailbox reader and lease."""
         if self.store_host is not None:
@@ -164,7 +128,8 @@ class Agent:
         elif self.leader:
             store = self._connect_store()
         else:  # short calls, so that its loop goes on to fence itself if the store stops answering
-            store = self._connect_store_within(self.config.node_timeout / 2)
+            host, port = self.config.store.host, self.store_port
+            store = control.open_store_retrying(host, port, self.config.node_timeout / 2, STORE_TIMEOUT)
         if self.leader:
             store.set(control.JOB_KEY, json.dumps({"run_id": self.run_dir.name, "rdzv_id": self.config.run_id,
                                                    "nnodes": self.config.min_nodes,
@@ -173,7 +138,7 @@ class Agent:
         self.mail = control.MailReader(self._connect_store, control.node_box(self.config.node_rank), self.mail_w)
         self.mail.start()
         if self.config.multinode and self.leader:
-            self.leases = NodeLeases(store, list(range(1, self.config.min_nodes)), self.config.node_timeout)
+            self.followers = Followers(self, store)
         elif self.config.multinode:
             self.lease = LeaseKeeper(lambda: self._connect_store(self.config.node_timeout / 2),
                                      self.config.node_rank, self.config.node_timeout)
@@ -210,9 +175,9 @@ class Agent:
                 self.events.write("end", outcome="failed", reason=result.reason)
                 return EXIT_WORKERS_FAILED
             if self.config.multinode:
-                self._stop_followers(result.reason)
+                self.followers.stop(result.reason)
             elif self.restart_count < self.config.max_restarts:
-                refused = self._why_no_restart()
+                refused = self.gpu_health.why_no_restart()
                 if refused is None:
                     self.restart_count += 1
                     self.store_host.clear_worker_keys()  # the new group must not read the old one's addresses
@@ -255,16 +220,6 @@ class Agent:
     def world_size(self) -> int:
         """Training workers of the current attempt, all nodes."""
         return sum(self.sizes)
-
-    def _why_no_restart(self) -> str | None:
-        """Why the group cannot restart on this node after GPU evictions, or None when it can."""
-        if self.gpu_health.node_evicted:
-            return "this node is evicted"
-        usable = sum(self.gpu_health.usable(r) for r in range(self.config.nproc_per_node))
-        if usable < self.config.recovery.min_nproc:
-            return (f"GPU evictions left {usable} usable GPU{'s' if usable != 1 else ''} on this node, "
-                    f"below --min-nproc {self.config.recovery.min_nproc}")
-        return None
 
     def start_worker(self, local_rank: int, rank: int | None, respawn_of: WorkerSlot | None = None) -> Worker | None:
         """Start one worker; ``rank`` None makes it a joiner (a spare, or ``respawn_of``'s replacement).
@@ -316,7 +271,7 @@ class Agent:
 
     def job_workers(self) -> list[Worker | RemoteWorker]:
         """Every live worker this agent answers for: its own and, on the leader, the other nodes'."""
-        return [*self.live_workers(), *(w for w in self.remote.values() if w.exitcode is None)]
+        return [*self.live_workers(), *(self.followers.live() if self.followers is not None else [])]
 
     def stop_all(self, sig: int = signal.SIGTERM) -> None:
         """Signal every live worker and give them --shutdown-timeout seconds before SIGKILL."""
@@ -354,10 +309,8 @@ class Agent:
                 elif kind == WAKE:
                     self.gpu_health.drain()
             now = time.monotonic()
-            if self.leases is not None:
-                for node, since in self.leases.expired(now):
-                    self._node_lost(node, f"its lease expired (no renewal for {self.config.node_timeout:g} s)",
-                                    since)
+            if self.followers is not None:
+                self.followers.tick(now)
             if self.stop_deadline is not None and now > self.stop_deadline:
                 for worker in self.job_workers():
                     worker.send_signal(signal.SIGKILL)
@@ -394,76 +347,10 @@ class Agent:
                     control.reply(self.store, message, answer)
                 except RuntimeError:
                     pass  # the asker's store went away: nobody to answer
-            elif self.leader:
-                self._from_follower(message)
+            elif self.followers is not None:
+                self.followers.on_message(message)
             else:
-                self._from_leader(message)
-
-    def _from_follower(self, message: dict[str, Any]) -> None:
-        """A follower's news of its workers (or the hostfile launcher's news of a follower's end)."""
-        kind, uid = message["t"], message.get("uid")
-        if kind == "node_gone":
-            if message["node"] in self.leases.seen:
-                self._node_lost(message["node"], message["reason"], message["since"])
-            return
-        if kind == "worker_start":
-            slot = WorkerSlot(uid=uid, worker_id=f"{node_of(uid)}:{uid}", local_rank=message["local_rank"],
-                              rank=message["rank"], spare=message["spare"])
-            self.remote[uid] = RemoteWorker(self.store, slot, message["pid"])
-            self.events.write("worker_start", uid=uid, rank=slot.rank, local_rank=slot.local_rank,
-                              pid=message["pid"], joiner=slot.spare, attempt=self.restart_count, node=node_of(uid))
-            return
-        worker = self.remote.get(uid)
-        if worker is None or worker.exitcode is not None:
-            return  # a worker of a node already declared lost
-        if kind == "msg":
-            self.coordinator.on_message(worker, message["msg"])
-        elif kind == "exit":
-            worker.exitcode = message["code"]
-            self.events.write("worker_exit", uid=uid, rank=worker.slot.rank, pid=worker.pid,
-                              exitcode=worker.exitcode, node=node_of(uid))
-            if worker.exitcode == 0:
-                self.coordinator.on_finished(worker)
-            elif self.stop_deadline is None:
-                self._workers_failed([(worker, WorkerFailure(**message["failure"]))])
-
-    def _from_leader(self, message: dict[str, Any]) -> None:
-        """The leader's word for this node: a message for a worker, a signal, a worker to start, a stop."""
-        kind, uid = message["t"], message.get("uid")
-        worker = self.workers.get(uid)
-        if kind == "relay" and worker is not None and worker.exitcode is None:
-            self.coordinator.on_relay(message["data"].encode())
-            worker.send(message["data"].encode())
-        elif kind == "signal" and worker is not None:
-            worker.send_signal(message["sig"])
-        elif kind == "start_worker":  # the replacement of this node's worker ``uid``
-            slot = WorkerSlot(uid=uid, worker_id=f"{self.config.node_rank}:{uid}", local_rank=message["local_rank"],
-                              rank=message["rank"])
-            self.start_worker(slot.local_rank, rank=None, respawn_of=slot)
-        elif kind == "stop":
-            self.coordinator.stop_reason = message["reason"]
-
-    def _stop_followers(self, reason: str) -> None:
-        """The leader gives up: every other node stops its workers too."""
-        for node in range(1, self.config.min_nodes):
-            control.post(self.store, control.node_box(node), {"t": "stop", "reason": f"the leader stopped: {reason}"})
-
-    def _node_lost(self, node: int, why: str, since: float | None = None) -> None:
-        """The leader declares ``node`` lost (gone since ``since``, wall clock): its workers are one fault."""
-        self.leases.forget(node)
-        lost = [w for w in self.remote.values() if node_of(w.uid) == node and w.exitcode is None]
-        if not lost:
-            return  # its workers had all ended: it was done, not lost
-        self.events.write("node_lost", node=node, reason=why, ranks=[w.slot.rank for w in lost])
-        self.console.notice(f"ftrun: node {node} lost: {why}", style="bold yellow")
-        when = since or time.time()
-        faults = []
-        for worker in lost:
-            worker.exitcode = -signal.SIGKILL
-            faults.append((worker, WorkerFailure(worker.slot.rank, worker.slot.local_rank, worker.pid,
-                                                 -signal.SIGKILL, when, f"node {node} lost: {why}", "")))
-        if faults and self.stop_deadline is None:
-            self._workers_failed(faults)
+                self.coordinator.on_leader_message(message)
 
     def _ping(self, message: dict[str, Any]) -> dict[str, Any]:
         """Answer ``ping``: who this agent is and which ranks it runs."""
@@ -533,9 +420,9 @@ class Agent:
             return
         failure = describe_failure(worker.slot.rank, worker.slot.local_rank, worker.pid, code, worker.error_file,
                                    self.outputs[uid].stderr_tail)
-        self._workers_failed([(worker, failure)])
+        self.workers_failed([(worker, failure)])
 
-    def _workers_failed(self, faults: list[tuple[Worker | RemoteWorker, WorkerFailure]]) -> None:
+    def workers_failed(self, faults: list[tuple[Worker | RemoteWorker, WorkerFailure]]) -> None:
         """Recover in place from failed workers, or end the attempt."""
         if self.coordinator.on_faults(faults):
             return

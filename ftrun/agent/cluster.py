@@ -154,6 +154,75 @@ class NodeLeases:
             self.store.set(evicted_key(node), "1")
 
 
+class Followers:
+    """The leader's side of the other nodes: their workers' news, their leases, their loss."""
+
+    def __init__(self, agent: Agent, store: Any) -> None:
+        self.agent = agent
+        self.store = store
+        self.remote: dict[int, RemoteWorker] = {}  # the other nodes' workers, by uid
+        self.leases = NodeLeases(store, list(range(1, agent.config.min_nodes)), agent.config.node_timeout)
+
+    def live(self) -> list[RemoteWorker]:
+        """The other nodes' workers that have not ended."""
+        return [w for w in self.remote.values() if w.exitcode is None]
+
+    def tick(self, now: float) -> None:
+        """Nodes whose lease ran out are lost."""
+        for node, since in self.leases.expired(now):
+            self.node_lost(node, f"its lease expired (no renewal for {self.leases.timeout:g} s)", since)
+
+    def on_message(self, message: dict[str, Any]) -> None:
+        """A follower's news of its workers (or the hostfile launcher's news of a follower's end)."""
+        agent, kind, uid = self.agent, message["t"], message.get("uid")
+        if kind == "node_gone":
+            if message["node"] in self.leases.seen:
+                self.node_lost(message["node"], message["reason"], message["since"])
+            return
+        if kind == "worker_start":
+            slot = WorkerSlot(uid=uid, worker_id=f"{node_of(uid)}:{uid}", local_rank=message["local_rank"],
+                              rank=message["rank"], spare=message["spare"])
+            self.remote[uid] = RemoteWorker(self.store, slot, message["pid"])
+            agent.events.write("worker_start", uid=uid, rank=slot.rank, local_rank=slot.local_rank,
+                               pid=message["pid"], joiner=slot.spare, attempt=agent.restart_count, node=node_of(uid))
+            return
+        worker = self.remote.get(uid)
+        if worker is None or worker.exitcode is not None:
+            return  # a worker of a node already declared lost
+        if kind == "msg":
+            agent.coordinator.on_message(worker, message["msg"])
+        elif kind == "exit":
+            worker.exitcode = message["code"]
+            agent.events.write("worker_exit", uid=uid, rank=worker.slot.rank, pid=worker.pid,
+                               exitcode=worker.exitcode, node=node_of(uid))
+            if worker.exitcode == 0:
+                agent.coordinator.on_finished(worker)
+            elif agent.stop_deadline is None:
+                agent.workers_failed([(worker, WorkerFailure(**message["failure"]))])
+
+    def node_lost(self, node: int, why: str, since: float | None = None) -> None:
+        """Declare ``node`` lost (gone since ``since``, wall clock): its workers are one fault."""
+        self.leases.forget(node)
+        lost = [w for w in self.live() if node_of(w.uid) == node]
+        if not lost:
+            return  # its workers had all ended: it was done, not lost
+        self.agent.events.write("node_lost", node=node, reason=why, ranks=[w.slot.rank for w in lost])
+        self.agent.console.notice(f"ftrun: node {node} lost: {why}", style="bold yellow")
+        when = since or time.time()
+        faults = []
+        for worker in lost:
+            worker.exitcode = -signal.SIGKILL
+            faults.append((worker, WorkerFailure(worker.slot.rank, worker.slot.local_rank, worker.pid,
+                                                 -signal.SIGKILL, when, f"node {node} lost: {why}", "")))
+        if self.agent.stop_deadline is None:
+            self.agent.workers_failed(faults)
+
+    def stop(self, reason: str) -> None:
+        """The leader gives up: every other node stops its workers too."""
+        for node in range(1, self.agent.config.min_nodes):
+            control.post(self.store, control.node_box(node), {"t": "stop", "reason": f"the leader stopped: {reason}"})
+
+
 class Relay:
     """A follower's stand-in for the Coordinator: its workers' news goes to the leader, its hangs are its own."""
 
@@ -177,6 +246,22 @@ class Relay:
             if message.get("t") == protocol.PLAN and message["gen"] > self.plan.gen:
                 self.plan = protocol.Plan.from_message(message)
                 self.recovery = self.plan.gen
+
+    def on_leader_message(self, message: dict[str, Any]) -> None:
+        """The leader's word for this node: a message for a worker, a signal, a worker to start, a stop."""
+        kind, uid = message["t"], message.get("uid")
+        worker = self.agent.workers.get(uid)
+        if kind == "relay" and worker is not None and worker.exitcode is None:
+            self.on_relay(message["data"].encode())
+            worker.send(message["data"].encode())
+        elif kind == "signal" and worker is not None:
+            worker.send_signal(message["sig"])
+        elif kind == "start_worker":  # the replacement of this node's worker ``uid``
+            slot = WorkerSlot(uid=uid, worker_id=f"{self.agent.config.node_rank}:{uid}",
+                              local_rank=message["local_rank"], rank=message["rank"])
+            self.agent.start_worker(slot.local_rank, rank=None, respawn_of=slot)
+        elif kind == "stop":
+            self.stop_reason = message["reason"]
 
     def tell_leader(self, message: dict[str, Any]) -> None:
         """Post one message to the leader's mailbox; dropped if the store cannot be reached (within the

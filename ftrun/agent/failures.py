@@ -6,7 +6,7 @@ import json
 import signal
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -35,6 +35,16 @@ class WorkerFailure:
     def summary(self) -> str:
         """One line naming the worker and how it ended."""
         return f"rank {self.rank} (local rank {self.local_rank}, pid {self.pid}) ended with {self.how}"
+
+
+@dataclass
+class AttemptResult:
+    """How one attempt (one start of the worker group) ended."""
+
+    succeeded: bool = False
+    signal: int | None = None
+    failures: list[WorkerFailure] = field(default_factory=list)
+    reason: str = ""
 
 
 def traceback_from_error_file(path: Path) -> tuple[str, str] | None:

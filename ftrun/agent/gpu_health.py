@@ -124,6 +124,17 @@ class GpuHealth:
         """Whether a worker may be started on ``local_rank``: its GPU (if any) is not evicted."""
         return self.node_evicted is None and self.gpu_of(local_rank) not in self.evicted
 
+    def why_no_restart(self) -> str | None:
+        """Why the group cannot restart on this node after GPU evictions, or None when it can."""
+        if self.node_evicted:
+            return "this node is evicted"
+        config = self.agent.config
+        usable = sum(self.usable(r) for r in range(config.nproc_per_node))
+        if usable < config.recovery.min_nproc:
+            return (f"GPU evictions left {usable} usable GPU{'s' if usable != 1 else ''} on this node, "
+                    f"below --min-nproc {config.recovery.min_nproc}")
+        return None
+
     def workers_on(self, gpu: int) -> list[Worker]:
         """The live workers (members, spares, joiners) whose local rank uses GPU ``gpu``."""
         return [w for w in self.agent.live_workers() if self.gpu_of(w.slot.local_rank) == gpu]

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from ftrun import control, registry
-from ftrun.agent.agent import default_runs_root
 from ftrun.errors import NoSuchJob
 from ftrun.events import read_events
 from ftrun.status.document import ended_document, live_document
@@ -69,7 +68,7 @@ def find_targets(endpoint: str | None, run_id: str | None, log_dir: Path | None)
     live = [e for e in running if run_id in (e.run_id, e.rdzv_id)] if log_dir is None else []
     if live:
         return [Target(e.endpoint, Path(e.run_dir)) for e in live]
-    root = log_dir or default_runs_root()
+    root = log_dir or registry.default_runs_root()
     if not root.is_dir():
         raise NoSuchJob(f"--log-dir {root}: no such directory")
     found = run_dirs(root, run_id)
