@@ -62,7 +62,7 @@ class AgentProcess:
     local: bool
     proc: subprocess.Popen
     stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=20))
-    buffers: dict[int, bytes] = field(default_factory=dict)
+    buffers: dict[int, bytes] = field(default_factory=dict)  # partial last line, per pipe still open
     exitcode: int | None = None
     ended_at: float = 0.0  # wall clock, when the launcher saw it end
 
@@ -149,7 +149,7 @@ class HostLauncher:
                 else:
                     self._pass_on(key.fileobj, *key.data)
             for agent in self.agents:
-                if agent.exitcode is None and agent.proc.poll() is not None and not self._open_pipes(agent):
+                if agent.exitcode is None and agent.proc.poll() is not None and not agent.buffers:
                     agent.exitcode, agent.ended_at = agent.proc.returncode, time.time()
                     if self._agent_ended(agent):
                         stopping = stopping or self._stop_agents()
@@ -163,9 +163,6 @@ class HostLauncher:
         leader = self.agents[0].exitcode
         return leader if leader is not None and leader >= 0 else EXIT_WORKERS_FAILED
 
-    def _open_pipes(self, agent: AgentProcess) -> bool:
-        return any(key.data is not None and key.data[0] is agent for key in self.selector.get_map().values())
-
     def _pass_on(self, pipe, agent: AgentProcess, out) -> None:
         """Copy complete lines of an agent's output; keep its last stderr lines for a failure report."""
         fd = pipe.fileno()
@@ -175,7 +172,8 @@ class HostLauncher:
             return
         if not data:
             self.selector.unregister(pipe)
-            data, agent.buffers[fd] = agent.buffers[fd] + b"\n" if agent.buffers[fd] else b"", b""
+            rest = agent.buffers.pop(fd)
+            data = rest + b"\n" if rest else b""
         else:
             *lines, agent.buffers[fd] = (agent.buffers[fd] + data).split(b"\n")
             data = b"".join(line + b"\n" for line in lines)
