@@ -29,7 +29,6 @@ app = typer.Typer(
 )
 
 SUBCOMMANDS = {"run"}
-_LAUNCHER_ARGS: list[str] = []  # the options given before the script, kept for the agents of a --hostfile launch
 
 
 @app.callback()
@@ -113,9 +112,9 @@ def run(
     respawn: bool = typer.Option(False, "--respawn", help="Restart a lost worker; it rejoins with a peer's state."),
     spares: int = typer.Option(0, "--spares", help="Idle workers started up front that replace lost ones at once."),
     min_nproc: int = typer.Option(1, "--min-nproc", help="Below this many workers, wait for joiners, then restart."),
-    recovery_timeout: float = typer.Option(30.0, "--recovery-timeout",
+    recovery_timeout: float = typer.Option(RecoveryConfig.recovery_timeout, "--recovery-timeout",
                                            help="Seconds an in-place recovery may take before a group restart."),
-    join_timeout: float = typer.Option(60.0, "--join-timeout",
+    join_timeout: float = typer.Option(RecoveryConfig.join_timeout, "--join-timeout",
                                        help="Seconds to wait for joiners when below --min-nproc."),
     hostfile: Optional[str] = typer.Option(
         None, "--hostfile", help="Start one agent per host of this file (over ssh; local hosts directly)."),
@@ -139,7 +138,6 @@ def run(
         local_ranks_filter=local_ranks_filter, local_addr=local_addr, signals_to_handle=signals_to_handle,
         shutdown_timeout=shutdown_timeout, log_line_prefix_template=log_line_prefix_template,
         virtual_local_rank=virtual_local_rank, hostfile=hostfile, host_list=hosts, node_timeout=node_timeout,
-        launcher_args=_LAUNCHER_ARGS[: len(_LAUNCHER_ARGS) - 1 - len(script_args or [])],
         unsupported={"--logs-specs": logs_specs, "--numa-binding": numa_binding,
                      "--duplicate-stdout-filters": duplicate_stdout_filters,
                      "--duplicate-stderr-filters": duplicate_stderr_filters,
@@ -148,9 +146,17 @@ def run(
                                 recovery_timeout=recovery_timeout, join_timeout=join_timeout,
                                 hang_timeout=hang_timeout, xid_policy=xid_policy),
     )
-    from ftrun.launch import launch
+    from ftrun.launcher.launch import launch
 
     raise typer.Exit(launch(config))
+
+
+@app.command("_agent", hidden=True)
+def agent() -> None:
+    """Run one host's agent of a --hostfile launch, as the launcher's hand-off describes it."""
+    from ftrun.launcher.launch import launch_handed_off
+
+    raise typer.Exit(launch_handed_off())
 
 
 @app.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -192,18 +198,18 @@ def inject(
     Exit codes: 0 done (chaos: every fault recovered in place), 1 chaos saw a fault not recovered in place,
     2 bad input: unknown drill, no running job, no such rank, a drill the agent refuses.
     """
-    from ftrun import drills
+    from ftrun import inject as injection
 
     if kind == "chaos":
         if mtbf is None or duration is None:
             raise UsageError("inject chaos needs --mtbf SECONDS and --duration SECONDS")
         if rank is not None or value is not None:
             raise UsageError("inject chaos picks its ranks itself: drop --rank and the value")
-        chosen = drills.parse_kinds(kinds)
-        job = drills.Job.connect(drills.job_endpoint(run_id, endpoint))
-        raise typer.Exit(drills.run_chaos(job, mtbf, duration, chosen, seed))
-    message = drills.drill_message(kind, value, rank, duration_of_slow)
-    job = drills.Job.connect(drills.job_endpoint(run_id, endpoint))
+        chosen = injection.parse_kinds(kinds)
+        job = injection.Job.connect(injection.job_endpoint(run_id, endpoint))
+        raise typer.Exit(injection.run_chaos(job, mtbf, duration, chosen, seed))
+    message = injection.drill_message(kind, value, rank, duration_of_slow)
+    job = injection.Job.connect(injection.job_endpoint(run_id, endpoint))
     print(job.inject(message)["message"])
 
 
@@ -218,7 +224,6 @@ def main(argv: list[str] | None = None) -> None:
     """Console entry point: one clear line and exit code 2 for bad input, never a traceback."""
     SUBCOMMANDS.update(app.registered_commands and [c.name or c.callback.__name__ for c in app.registered_commands])
     args = _with_default_command(list(sys.argv[1:] if argv is None else argv))
-    _LAUNCHER_ARGS[:] = args[1:]
     command = typer.main.get_command(app)
     try:
         code = command.main(args, prog_name="ftrun", standalone_mode=False)

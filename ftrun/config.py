@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import signal
@@ -11,14 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ftrun.errors import UsageError
-from ftrun.agent.remote import is_local
-from ftrun.hostfile import Host, parse_host_list, read_hostfile
-from ftrun.slurm import slurm_node
 from ftrun.health.policy import DEFAULT_TABLE, load_table
 from ftrun.health.signals import Action
-
-STDOUT, STDERR = 1, 2
-
+from ftrun.launcher.hosts import Host, is_local, parse_host_list, read_hostfile
+from ftrun.launcher.slurm import slurm_node
 
 def parse_std_spec(spec: str, flag: str, nproc: int) -> dict[int, int]:
     """Parse torchrun's --redirects/--tee value into {local_rank: stream mask}.
@@ -167,14 +164,13 @@ class LaunchConfig:
     run_name: str | None = None  # the run directory's name, shared by every node of a multi-node job
     hosts: list[Host] | None = None  # --hostfile / -H: launch one agent per host from here
     under_launcher: bool = False  # this agent was started by a --hostfile launcher, which registers the run
-    launcher_args: list[str] = field(default_factory=list)  # ftrun's own arguments, as given (for --hostfile)
+    xid_table: dict[int, tuple[Action, str]] = field(default_factory=lambda: dict(DEFAULT_TABLE))
+    """Xid code -> (action, description): ftrun.health.policy.DEFAULT_TABLE with --xid-policy's overrides."""
 
     @property
     def sizes(self) -> tuple[int, ...]:
         """Workers per node, by node rank."""
         return self.node_sizes or (self.nproc_per_node,) * self.min_nodes
-    xid_table: dict[int, tuple[Action, str]] = field(default_factory=lambda: dict(DEFAULT_TABLE))
-    """Xid code -> (action, description): ftrun.health.policy.DEFAULT_TABLE with --xid-policy's overrides."""
 
     @property
     def world_size(self) -> int:
@@ -266,7 +262,6 @@ def build_config(
     hostfile: str | None = None,
     host_list: str | None = None,
     node_timeout: float = 10.0,
-    launcher_args: list[str] | None = None,
 ) -> LaunchConfig:
     """Validate the flags and build the one :class:`LaunchConfig` the launch runs on."""
     for flag, value in unsupported.items():
@@ -309,7 +304,7 @@ def build_config(
     if standalone and max_nodes > 1:
         raise UsageError("--standalone is for one node: remove it, or --nnodes/--hostfile")
     store, addr = _store_endpoint(rdzv_backend, rdzv_endpoint, master_addr or "127.0.0.1", master_port, standalone)
-    node_sizes = _node_sizes(os.environ.get("FTRUN_NODE_SIZES", ""), max_nodes, node_rank, nproc)
+    node_sizes: tuple[int, ...] = ()
     if hosts is not None:
         node_sizes = tuple(nproc if nproc_per_node else (h.slots or nproc) for h in hosts)
         if not rdzv_endpoint:
@@ -329,10 +324,10 @@ def build_config(
     log_path = _writable_log_dir(log_dir) if log_dir else None
     if recovery.spares < 0:
         raise UsageError("--spares must be 0 or more")
-    if recovery.hang_timeout is not None and recovery.hang_timeout <= 0:
-        raise UsageError("--hang-timeout must be a positive number of seconds")
-    if node_timeout <= 0:
-        raise UsageError("--node-timeout must be a positive number of seconds")
+    for flag, seconds in (("--recovery-timeout", recovery.recovery_timeout), ("--join-timeout", recovery.join_timeout),
+                          ("--hang-timeout", recovery.hang_timeout), ("--node-timeout", node_timeout)):
+        if seconds is not None and not 0 < seconds < math.inf:
+            raise UsageError(f"{flag} must be a positive number of seconds, not {seconds}")
     world = sum(node_sizes) if node_sizes else nproc * max_nodes
     if not 1 <= recovery.min_nproc <= world:
         raise UsageError(f"--min-nproc {recovery.min_nproc} must be between 1 and the number of workers ({world})")
@@ -356,8 +351,8 @@ def build_config(
         monitor_interval=monitor_interval,
         role=role,
         log_dir=log_path,
-        redirects=parse_std_spec(redirects, "--redirects", nproc),
-        tee=parse_std_spec(tee, "--tee", nproc),
+        redirects=parse_std_spec(redirects, "--redirects", max(node_sizes, default=nproc)),
+        tee=parse_std_spec(tee, "--tee", max(node_sizes, default=nproc)),
         local_ranks_filter=ranks_filter,
         log_line_prefix_template=log_line_prefix_template or (
             "[${hostname}:${rank}]:" if max_nodes > 1 or hosts else "[${role_name}${rank}]:"),
@@ -367,12 +362,8 @@ def build_config(
         virtual_local_rank=virtual_local_rank,
         recovery=recovery,
         node_sizes=node_sizes,
-        node_name=os.environ.get("FTRUN_NODE_NAME") or socket.gethostname(),
-        host_store=hosts is None and node_rank == 0 and os.environ.get("FTRUN_UNDER_LAUNCHER") != "1",
-        under_launcher=os.environ.get("FTRUN_UNDER_LAUNCHER") == "1",
-        launcher_args=list(launcher_args or []),
+        host_store=hosts is None and node_rank == 0,
         node_timeout=node_timeout,
-        run_name=os.environ.get("FTRUN_RUN_NAME") or None,
         hosts=hosts,
         xid_table=xid_table,
     )
@@ -387,19 +378,6 @@ def _hosts(hostfile: str | None, host_list: str | None, *, nnodes: int, node_ran
     if nnodes > 1 or node_rank is not None:
         raise UsageError("--hostfile/-H starts every node from here: remove --nnodes and --node-rank")
     return read_hostfile(hostfile) if hostfile else parse_host_list(host_list)
-
-
-def _node_sizes(spec: str, nnodes: int, node_rank: int, nproc: int) -> tuple[int, ...]:
-    """Workers per node as the hostfile launcher passes them to each agent (FTRUN_NODE_SIZES)."""
-    if not spec:
-        return ()
-    try:
-        sizes = tuple(int(n) for n in spec.split(","))
-    except ValueError:
-        sizes = ()
-    if len(sizes) != nnodes or min(sizes) < 1 or sizes[node_rank] != nproc:
-        raise UsageError(f"FTRUN_NODE_SIZES={spec!r} does not match --nnodes {nnodes} and --nproc-per-node {nproc}")
-    return sizes
 
 
 def _writable_log_dir(log_dir: str) -> Path:

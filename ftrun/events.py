@@ -1,12 +1,81 @@
-"""The run's event log: one JSON object per line for every start, fault, generation, recovery and end."""
+"""The run's event log: one JSON object per line for every start, fault, generation, recovery and end.
+
+Every kind of event ftrun writes is declared here with its fields, and :meth:`EventLog.write` refuses a
+record that does not match its declaration, so the log's schema (README, "The event log") cannot drift
+from the code. Each record also carries ``time`` (wall clock, seconds) and ``event`` (its kind's name).
+"""
 
 from __future__ import annotations
 
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+
+@dataclass(frozen=True)
+class EventKind:
+    """One kind of event: its name in the log, the fields it always has, and those it may have."""
+
+    name: str
+    fields: tuple[str, ...]
+    optional: tuple[str, ...] = ()
+
+    def check(self, fields: dict[str, Any]) -> None:
+        """TypeError when ``fields`` are not this kind's (a bug in the writer, caught by the tests)."""
+        missing = set(self.fields) - set(fields)
+        unknown = set(fields) - set(self.fields) - set(self.optional)
+        if missing or unknown:
+            raise TypeError(f"event {self.name!r}: missing {sorted(missing)}, unknown {sorted(unknown)}")
+
+
+START = EventKind("start", ("run_id", "command", "node", "nproc", "world_size", "store_port"))
+"""An agent started (one per node)."""
+WORKER_START = EventKind("worker_start", ("uid", "rank", "local_rank", "pid", "joiner", "attempt", "node"))
+"""A worker process started; ``joiner``: a spare or replacement that waits to be placed."""
+WORKER_EXIT = EventKind("worker_exit", ("uid", "rank", "pid", "exitcode", "node"))
+"""A worker process ended; ``exitcode`` < 0 means killed by that signal."""
+FAULT = EventKind("fault", ("uid", "rank", "pid", "how", "message", "gen"))
+"""A member of generation ``gen`` was lost (its rank in that generation)."""
+GENERATION = EventKind("generation", ("gen", "members", "reason", "lost", "joiners", "world_size"))
+"""The leader issued a new generation's plan: ``members`` are uids in rank order."""
+RECOVERY = EventKind("recovery", ("kind", "gen", "lost_ranks", "lost_uids", "world_before", "world_after",
+                                  "joiners", "steps_lost", "resumed_at_step", "latency", "phases"))
+"""The first step of a new generation committed: one in-place recovery (``kind`` fault or join), timed."""
+RECOVERY_REFUSED = EventKind("recovery_refused", ("uid", "reason"))
+"""A fault that cannot be recovered in place; the group restarts."""
+RECOVERY_FAILED = EventKind("recovery_failed", ("reason", "gen"))
+"""An in-place recovery was given up; the live workers save their state, then the group restarts."""
+RESCUE = EventKind("rescue", ("saved", "best_step", "missing"))
+"""The state the live workers saved before a group restart (uid -> step), and who did not answer."""
+JOINER_READY = EventKind("joiner_ready", ("uid", "pid"))
+"""A spare or respawned worker is ready to be placed."""
+JOINER_LOST = EventKind("joiner_lost", ("uid", "how"))
+"""A joiner ended before it was placed."""
+GROUP_FAILURE = EventKind("group_failure", ("reason",))
+"""The attempt is being ended: every worker of this node is stopped."""
+ATTEMPT_END = EventKind("attempt_end", ("attempt", "succeeded", "signal", "reason", "last_step"))
+"""One start of the worker group ended."""
+END = EventKind("end", ("outcome",), ("signal", "reason"))
+"""The launch ended: ``outcome`` succeeded, failed or interrupted."""
+HANG = EventKind("hang", ("uid", "rank", "pid", "silent_for", "timeout", "stopped", "in_collective"))
+"""A rank made no progress within its hang timeout: its stacks are dumped, then it is killed."""
+INJECT = EventKind("inject", ("kind", "rank", "uid", "pid", "args"))
+"""A drill of ``ftrun inject`` was carried out."""
+NODE_LOST = EventKind("node_lost", ("node", "reason", "ranks"))
+"""The leader declared a node lost (its lease ran out, or its agent ended)."""
+FENCED = EventKind("fenced", ("reason",))
+"""A follower stopped its own workers: it lost its lease, or the leader evicted it."""
+GPU_HEALTH = EventKind("gpu_health", ("kind", "gpu", "local_rank", "value", "action", "reason", "source", "detail",
+                                      "pids"))
+"""A GPU health signal (NVML, or a drill) and the action taken on the workers using that GPU."""
+
+KINDS: dict[str, EventKind] = {kind.name: kind for kind in (
+    START, WORKER_START, WORKER_EXIT, FAULT, GENERATION, RECOVERY, RECOVERY_REFUSED, RECOVERY_FAILED, RESCUE,
+    JOINER_READY, JOINER_LOST, GROUP_FAILURE, ATTEMPT_END, END, HANG, INJECT, NODE_LOST, FENCED, GPU_HEALTH)}
+"""Every kind of event, by name."""
 
 
 class EventLog:
@@ -19,9 +88,10 @@ class EventLog:
         self.listeners: list[Callable[[dict[str, Any]], None]] = []
         """Called with each record once it is written (the live status tally)."""
 
-    def write(self, event: str, **fields: Any) -> dict[str, Any]:
-        """Record one ``event`` with its fields and the wall-clock time; returns the record."""
-        record = {"time": round(time.time(), 6), "event": event, **fields}
+    def write(self, kind: EventKind, /, **fields: Any) -> dict[str, Any]:
+        """Record one event of ``kind`` with its fields and the wall-clock time; returns the record."""
+        kind.check(fields)
+        record = {"time": round(time.time(), 6), "event": kind.name, **fields}
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
         self._file.flush()
         for listener in self.listeners:

@@ -1,7 +1,13 @@
-"""What the agent and its workers say to each other: generation plans and control messages.
+"""Every message ftrun's processes exchange, by kind, with its fields; and generation plans.
 
-Messages are JSON objects, one per line, over the socket pair a worker inherits as FTRUN_CHANNEL_FD.
-This module is shared by both sides, so it imports neither.
+- A worker and its agent: JSON objects, one per line, over the socket pair the worker inherits as
+  ``FTRUN_CHANNEL_FD`` (``"t"`` is the kind).
+- Agents across nodes, and the hostfile launcher: JSON objects posted to an agent's mailbox in the store
+  (``"t"`` is the kind).
+- Commands (``ftrun inject``, ``ftrun status``...): JSON objects with ``"cmd"`` posted to an agent's mailbox,
+  answered through the store (``"reply_to"``).
+
+This module is shared by the worker runtime and the agent, so it imports neither.
 """
 
 from __future__ import annotations
@@ -30,6 +36,23 @@ PLAN = "plan"  # a new generation: Plan fields
 SAVE = "save"  # recovery failed: write your state to FTRUN_RUN_DIR/rescue before the group restart
 RAISE = "raise"  # a drill (`ftrun inject exception`): raise InjectedFault(message) at the next step: {message}
 SLOW = "slow"  # a drill (`ftrun inject slow`): sleep `seconds` in each step, for `duration` s (None: until cleared)
+
+# a follower or the hostfile launcher -> the leader's mailbox
+WORKER_STARTED = "worker_start"  # a follower's worker started: {uid, pid, local_rank, rank, joiner}
+WORKER_MESSAGE = "msg"  # a follower's worker said something on its channel: {uid, msg}
+WORKER_EXITED = "exit"  # a follower's worker ended: {uid, code, failure (a WorkerFailure's fields) unless code 0}
+NODE_GONE = "node_gone"  # the hostfile launcher saw a node's agent end: {node, reason, since (wall clock)}
+# the leader -> a follower's mailbox
+RELAY = "relay"  # control messages for one of its workers: {uid, data (JSON lines)}
+SIGNAL = "signal"  # signal one of its workers: {uid, sig}
+START_WORKER = "start_worker"  # start the replacement of its worker: {uid, local_rank, rank}
+STOP = "stop"  # the leader gave up: stop every worker: {reason}
+
+# commands, in any agent's mailbox: {"cmd": ..., "reply_to": token, ...}, answered {"ok": bool, ...}
+PING = "ping"  # who are you: {} -> {node_rank, pid, attempt, ranks: {rank: pid}}
+INJECT = "inject"  # a drill: {kind, rank, ...} -> see ftrun.agent.drills
+DRILL_KINDS = ("kill", "hang", "exception", "slow", "xid", "ecc")
+"""The drills one ``inject`` command can carry (chaos is a client-side series of them)."""
 
 
 UID_STRIDE = 100_000

@@ -7,10 +7,11 @@ It imports nothing from the agent.
 
 from __future__ import annotations
 
-import signal
 import statistics
 from collections import deque
 from typing import Any
+
+from ftrun.processes import signal_name
 
 NOTABLE = frozenset({"start", "fault", "hang", "evict", "eviction", "generation", "recovery", "recovery_refused",
                      "recovery_failed", "rescue", "group_failure", "attempt_end", "end"})
@@ -33,10 +34,7 @@ def exit_reason(exitcode: int | None) -> str | None:
     if exitcode is None:
         return None
     if exitcode < 0:
-        try:
-            return signal.Signals(-exitcode).name
-        except ValueError:
-            return f"signal {-exitcode}"
+        return signal_name(-exitcode)
     return f"exit {exitcode}"
 
 

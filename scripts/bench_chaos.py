@@ -2,7 +2,7 @@
 
 Each launcher runs scripts/bench_workloads/train_ckpt.py (examples/train_ddp.py's training; under torchrun
 with a disk checkpoint every ``--ckpt-every`` steps) on 4 CPU workers with ``--standalone``, while this
-process injects the same seeded fault schedule into both: ftrun.drills.ChaosSchedule draws, for each fault,
+process injects the same seeded fault schedule into both: ftrun.inject.ChaosSchedule draws, for each fault,
 an uptime gap (exponential, mean ``--mtbf`` seconds), a kind among ``--kinds`` and a rank among 0..3. A gap
 runs while the job is at full strength (4 workers training; ftrun runs with ``--respawn``, so it refills);
 each launcher trains for ``--duration`` seconds of such uptime, so both get exactly the same faults and
@@ -45,7 +45,7 @@ from bench_runs import Run, command_line, lines, machine, start, stop, worker_wi
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ftrun import drills, registry  # noqa: E402
+from ftrun import inject, registry  # noqa: E402
 from ftrun.agent.watchdog import DUMP_GRACE  # noqa: E402
 from ftrun.errors import UsageError  # noqa: E402
 
@@ -151,7 +151,7 @@ class Injector:
         self.launcher = launcher
         self.launcher_pid = launcher_pid
         self.hang_timeout = hang_timeout
-        self.job: drills.Job | None = None
+        self.job: inject.Job | None = None
 
     def inject(self, kind: str, rank: int) -> float:
         """Inject a fault of ``kind`` into ``rank``; the time.time() it took effect."""
@@ -169,9 +169,9 @@ class Injector:
     def _through_agent(self, kind: str, rank: int) -> float:
         if self.job is None:
             (entry,) = [e for e in registry.running() if e.pid == self.launcher_pid]
-            self.job = drills.Job.connect(entry.endpoint)
+            self.job = inject.Job.connect(entry.endpoint)
         try:
-            return self.job.inject(drills.chaos_message(kind, rank))["time"]
+            return self.job.inject(inject.chaos_message(kind, rank))["time"]
         except UsageError as exc:
             sys.exit(f"bench_chaos: ftrun refused the {kind} drill: {exc}")
 
@@ -201,7 +201,7 @@ def follow(launcher: str, run: Run, args: argparse.Namespace) -> Result:
     """Read the run's step lines; inject each fault after its uptime gap; stop after --duration of uptime."""
     result = Result(launcher)
     injector = Injector(launcher, run.proc.pid, args.hang_timeout)
-    schedule = drills.ChaosSchedule(args.mtbf, args.kinds, args.seed)
+    schedule = inject.ChaosSchedule(args.mtbf, args.kinds, args.seed)
     uptime, up_since = 0.0, None
     fault: Fault | None = None
     before: Commit | None = None  # the last commit before the current fault
@@ -237,7 +237,7 @@ def follow(launcher: str, run: Run, args: argparse.Namespace) -> Result:
 
 def schedule_text(args: argparse.Namespace) -> str:
     """The faults that fall within --duration seconds of uptime, as ``+9.3 s kill rank 2, ...``."""
-    schedule, at, faults = drills.ChaosSchedule(args.mtbf, args.kinds, args.seed), 0.0, []
+    schedule, at, faults = inject.ChaosSchedule(args.mtbf, args.kinds, args.seed), 0.0, []
     while True:
         gap, kind, rank = schedule.next(range(WORLD))
         at += gap

@@ -1,4 +1,8 @@
-"""Shared fixtures: run the real `ftrun` command in a clean environment, find free ports."""
+"""Shared fixtures: run the real `ftrun` command in a clean environment, find free ports, start recovery runs.
+
+Tests are laid out as the package is (tests/agent for ftrun/agent, ...). Those that start no process are
+marked ``fast`` (``python -m pytest -m fast`` runs them alone, in well under a minute).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from runs import NPROC, RTOL, STEPS, TIMEOUT, TRAINING, Run, read_run
+
 FTRUN = [sys.executable, "-m", "ftrun"]
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = str(ROOT / "examples" / "train_ddp.py")
 WORKLOADS = Path(__file__).parent / "workloads"
 
 
@@ -146,3 +154,33 @@ def netns_hosts(ssh_keys):
         for server in servers:
             server.stop()
         network.delete()
+
+
+@pytest.fixture(scope="session")
+def launch(run_ftrun, workload, tmp_path_factory):
+    """Run ftrun with 4 workers over a training workload with FAULTS (and AWAIT); returns the Run."""
+
+    def run(*ftrun_args: str, faults: str = "", wait: str = "", script: str = "faulty_train.py",
+            training: list[str] = TRAINING, nproc: int = NPROC) -> Run:
+        log_dir = tmp_path_factory.mktemp("run")
+        result = run_ftrun("--nproc-per-node", nproc, "--log-dir", log_dir, *ftrun_args, workload(script),
+                           *training, env={"FAULTS": faults, "AWAIT": wait}, timeout=TIMEOUT)
+        return read_run(result, log_dir)
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def baseline(launch) -> dict[int, float]:
+    """The fault-free run's loss per step (every rank prints the same, all-reduced loss)."""
+    run = launch()
+    assert run.returncode == 0, run.explain()
+    commits = run.commits()
+    assert set(commits) == set(range(NPROC))
+    losses = {c.step: c.loss for c in commits[0]}
+    for uid, lines in commits.items():
+        assert [c.step for c in lines] == list(range(STEPS)), f"uid {uid}"
+        assert all(c.world == NPROC and c.rank == uid and c.loss == losses[c.step] for c in lines), lines
+    # the parity checks below are only meaningful if the loss moves by much more than RTOL every step
+    assert all(abs(losses[s + 1] - losses[s]) > 10 * RTOL * losses[s] for s in range(STEPS - 1)), losses
+    return losses

@@ -20,10 +20,10 @@ import pytest
 
 from ftrun import cli
 from ftrun import protocol
-from ftrun.drills import ChaosSchedule, EventFollower, drill_message
+from ftrun.inject import ChaosSchedule, EventFollower, drill_message
 from ftrun.errors import UsageError
-from ftrun.worker.drills import Drills, InjectedFault
-from test_recovery import COMMIT, RTOL
+from ftrun.worker.injected import InjectedFault, WorkerDrills
+from runs import COMMIT, RTOL
 
 STEPS = 200
 TRAINING = ["--steps", str(STEPS), "--width", "256"]
@@ -250,6 +250,7 @@ def test_bad_targets_are_one_line_and_exit_2(args, message, private_registry):
     assert result.stderr.startswith("ftrun: error: " + message) and result.stderr.count("\n") == 1, result.stderr
 
 
+@pytest.mark.fast
 def test_drill_messages_and_a_seeded_schedule():
     assert drill_message("xid", "79", 2, None) == {"cmd": "inject", "kind": "xid", "rank": 2, "value": 79}
     assert drill_message("ecc", None, 0, None)["value"] == 1
@@ -265,8 +266,9 @@ def test_drill_messages_and_a_seeded_schedule():
     assert all(gap > 0 and kind in ("kill", "hang") and rank in range(4) for gap, kind, rank in draws(5))
 
 
+@pytest.mark.fast
 def test_the_worker_raises_once_and_sleeps_while_slowed():
-    drills = Drills()
+    drills = WorkerDrills()
     assert not drills.on_message({"t": protocol.PLAN})
     assert drills.on_message({"t": protocol.RAISE, "message": "drill"})
     with pytest.raises(InjectedFault, match="drill"):

@@ -1,8 +1,13 @@
-"""The node agent: starts the workers, watches them, recovers in place or restarts the group, reports."""
+"""The node agent: runs attempts of the job on this node, one event loop each, and reports how they ended.
+
+The agent is the thin shell around its helpers: it owns the event loop (worker output, exits, control
+channels, mail, signals, GPU health wake-ups), hands each event to the helper it concerns, and provides
+the narrow ports (:mod:`ftrun.agent.ports`) the helpers act through. What to do about a fault is decided
+by the attempt's coordination: the leader's (node 0) or a follower's.
+"""
 
 from __future__ import annotations
 
-import json
 import os
 import selectors
 import signal
@@ -11,31 +16,42 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from ftrun import control, registry
-from ftrun.agent.cluster import Followers, LeaseKeeper, Relay, RemoteWorker, node_of
+from ftrun import events, protocol, registry
+from ftrun.agent.decisions import RecoveryOptions
 from ftrun.agent.drills import Drills
-from ftrun.agent.env import worker_env
 from ftrun.agent.failures import AttemptResult, WorkerFailure, describe_failure, format_report
-from ftrun.agent.gpu_health import WAKE, GpuHealth
-from ftrun.agent.output import Console2, WorkerOutput, render_prefix
-from ftrun.agent.recovery import Coordinator
-from ftrun.agent.status_record import StatusPublisher
-from ftrun.agent.workers import Worker, WorkerSlot, spawn_worker
-from ftrun.config import STDERR, STDOUT, LaunchConfig
+from ftrun.agent.follower import Follower
+from ftrun.agent.gpu_health import GpuHealth
+from ftrun.agent.leader import Leader, LeaderSetup
+from ftrun.agent.nodes import RemoteNodes
+from ftrun.agent.pool import CHANNEL, EXIT, OUTPUT, WorkerPool
+from ftrun.agent.ports import Coordination, WorkerHandle
+from ftrun.agent.status_record import RunInfo, StatusPublisher
+from ftrun.agent.workers import Worker, WorkerSlot
+from ftrun.config import LaunchConfig
+from ftrun.console import Console
 from ftrun.errors import EXIT_OK, EXIT_SIGNAL_BASE, EXIT_WORKERS_FAILED
 from ftrun.events import EventLog
-from ftrun.protocol import UID_STRIDE
-from ftrun.store import StoreHost
-
+from ftrun.processes import SignalWake, signal_name
+from ftrun.store import keys
+from ftrun.store.client import open_client, open_client_retrying
+from ftrun.store.host import StoreHost
+from ftrun.store.job import JobStore
+from ftrun.store.leases import LeaseKeeper, NodeLeases
+from ftrun.store.mailbox import MailReader
 
 STORE_TIMEOUT = 300.0
 """Seconds an agent's store calls may wait (a follower waits this long for node 0 to serve the store)."""
+SIGNAL, MAIL, GPU = "signal", "mail", "gpu"
+"""The tags of the agent's own selector registrations."""
+KILL_REPEAT = 3600.0
+"""After the escalation to SIGKILL, seconds before it is sent again."""
 
 
 class Agent:
     """Runs the job on this node: attempts, group restarts within --max-restarts, the final report."""
 
-    def __init__(self, config: LaunchConfig, store_host: StoreHost | None, console: Console2) -> None:
+    def __init__(self, config: LaunchConfig, store_host: StoreHost | None, console: Console) -> None:
         self.config = config
         self.store_host = store_host  # None: another process serves the store (node 0, or the hostfile launcher)
         self.console = console
@@ -44,55 +60,59 @@ class Agent:
         if config.node_rank > 0:
             self.run_dir = self.run_dir / f"node{config.node_rank}"
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.events = EventLog(self.run_dir / "events.jsonl")
+        self.log = EventLog(self.run_dir / "events.jsonl")
         self.selector = selectors.DefaultSelector()
-        self.workers: dict[int, Worker] = {}
-        self.outputs: dict[int, WorkerOutput] = {}
-        self.first_uid = config.node_rank * UID_STRIDE
-        self.next_uid = self.first_uid
+        self.pool = WorkerPool(config, self.selector, console, self.log, self.run_dir)
         self.leader = config.node_rank == 0
         self.restart_count = 0
         self.stop_deadline: float | None = None
-        self.pending_signal: int | None = None
-        self.coordinator: Coordinator | Relay | None = None  # one per attempt, made before its event loop starts
         self.result = AttemptResult()  # how the current attempt is going
-        self.store = None  # the agent's own store handle, once the store is served
-        self.mail: control.MailReader | None = None
-        self.followers: Followers | None = None  # the leader's view of the other nodes
+        self.attempt_failure: str | None = None  # set by end_attempt: why the current attempt is being ended
+        self.store: JobStore | None = None  # the agent's own store handle, once the store is served
+        self.coordination: Coordination | None = None  # one per attempt, made before its event loop starts
+        self.mail: MailReader | None = None
+        self.node_leases: NodeLeases | None = None  # the leader's view of the followers' leases
         self.lease: LeaseKeeper | None = None  # a follower's own lease
-        self.commands: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {"ping": self._ping}
-        """Handlers of the commands posted to this node's mailbox (``ftrun inject``...), by their ``cmd``."""
-        self.gpu_health = GpuHealth(self, config.xid_table)
-        self.status = StatusPublisher(self, self.gpu_health.gpu_status)
+        self.gpu_health = GpuHealth(self.log, console, self.pool, self.end_attempt, config.xid_table,
+                                    local_ranks=config.nproc_per_node + config.recovery.spares,
+                                    min_nproc=config.recovery.min_nproc)
+        self.status = StatusPublisher(RunInfo(self.run_dir.name, config.run_id, str(self.run_dir), config.node_rank,
+                                              config.min_nodes, config.world_size), self.pool,
+                                      self.gpu_health.gpu_status)
+        self.log.listeners.append(self.status.tally.add)
         self.local_world = config.nproc_per_node
         """Training workers this attempt starts on this node: fewer than --nproc-per-node after a GPU eviction."""
-        self.attempt_failure: str | None = None  # set by end_attempt: why the current attempt is being ended
-        Drills(self).install()
+        drills = Drills(self.log, config.node_rank, self.ranked_workers,
+                        lambda uid: self.coordination is not None and self.coordination.adopted(uid), self.gpu_health)
+        self.commands: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+            protocol.PING: self._ping, protocol.INJECT: drills.inject}
+        """Handlers of the commands posted to this node's mailbox (``ftrun inject``...), by their ``cmd``."""
 
     # ----------------------------------------------------------------- run
     def run(self) -> int:
         """Run attempts until success, a signal, or restarts run out; return ftrun's exit code."""
-        wake_r, wake_w = os.pipe()
-        os.set_blocking(wake_r, False)
-        os.set_blocking(wake_w, False)
-        previous_wakeup = signal.set_wakeup_fd(wake_w)
         handled = set(self.config.signals_to_handle) | {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
-        previous = {sig: signal.signal(sig, lambda *_: None) for sig in handled}
-        self.selector.register(wake_r, selectors.EVENT_READ, ("signal", None))
-        self.gpu_health.start()
-        mail_r, self.mail_w = os.pipe()
+        mail_r, mail_w = os.pipe()
         os.set_blocking(mail_r, False)
-        os.set_blocking(self.mail_w, False)
-        self.selector.register(mail_r, selectors.EVENT_READ, ("mail", None))
-        self.events.write("start", run_id=self.config.run_id, command=self.config.command, node=self.config.node_rank,
-                          nproc=self.config.nproc_per_node, world_size=self.config.world_size,
-                          store_port=self.store_port)
+        os.set_blocking(mail_w, False)
+        self.gpu_health.start()
+        config = self.config
+        self.log.write(events.START, run_id=config.run_id, command=config.command, node=config.node_rank,
+                       nproc=config.nproc_per_node, world_size=config.world_size, store_port=config.store.port)
         entry = None
-        if not self.config.under_launcher:
-            entry = registry.register(registry.new_entry(self.run_dir.name, self.config.run_id,
-                                                         self.config.master_addr, self.store_port, self.run_dir))
+        if not config.under_launcher:
+            entry = registry.register(registry.new_entry(self.run_dir.name, config.run_id, config.master_addr,
+                                                         config.store.port, self.run_dir))
         try:
-            return self._run_attempts(wake_r, mail_r)
+            with SignalWake(handled) as wake:
+                self.selector.register(wake.fd, selectors.EVENT_READ, (SIGNAL, wake))
+                self.selector.register(mail_r, selectors.EVENT_READ, (MAIL, mail_r))
+                self.selector.register(self.gpu_health.wake_fd, selectors.EVENT_READ, (GPU, None))
+                try:
+                    return self._run_attempts(mail_w)
+                finally:
+                    for fd in (wake.fd, mail_r, self.gpu_health.wake_fd):
+                        self.selector.unregister(fd)
         finally:
             self.gpu_health.stop()
             for service in (self.mail, self.lease):
@@ -100,84 +120,41 @@ class Agent:
                     service.stop()
             if entry is not None:
                 registry.unregister(entry)
-            self.selector.unregister(mail_r)
             os.close(mail_r)
-            os.close(self.mail_w)
-            signal.set_wakeup_fd(previous_wakeup)
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-            self.selector.unregister(wake_r)
-            os.close(wake_r)
-            os.close(wake_w)
-            self.events.close()
+            os.close(mail_w)
+            self.log.close()
 
-    @property
-    def store_port(self) -> int:
-        """The port of the job's store."""
-        return self.store_host.port if self.store_host is not None else self.config.store.port
-
-    def _connect_store(self, timeout: float = STORE_TIMEOUT) -> Any:
-        """A new client connection to the job's store."""
-        host = "127.0.0.1" if self.store_host is not None else self.config.store.host
-        return control.open_store(host, self.store_port, timeout)
-
-    def _open_store(self) -> Any:
-        """Serve the store (or connect to it), and start this node's mailbox reader and lease."""
-        if self.store_host is not None:
-            store = self.store_host.start()
-        elif self.leader:
-            store = self._connect_store()
-        else:  # short calls, so that its loop goes on to fence itself if the store stops answering
-            host, port = self.config.store.host, self.store_port
-            store = control.open_store_retrying(host, port, self.config.node_timeout / 2, STORE_TIMEOUT)
-        if self.leader:
-            store.set(control.JOB_KEY, json.dumps({"run_id": self.run_dir.name, "rdzv_id": self.config.run_id,
-                                                   "nnodes": self.config.min_nodes,
-                                                   "world_size": self.config.world_size,
-                                                   "run_dir": str(self.run_dir)}))
-        self.mail = control.MailReader(self._connect_store, control.node_box(self.config.node_rank), self.mail_w)
-        self.mail.start()
-        if self.config.multinode and self.leader:
-            self.followers = Followers(self, store)
-        elif self.config.multinode:
-            self.lease = LeaseKeeper(lambda: self._connect_store(self.config.node_timeout / 2),
-                                     self.config.node_rank, self.config.node_timeout)
-            self.lease.start()
-        return store
-
-    def _run_attempts(self, wake_r: int, mail_r: int) -> int:
-        store = None
+    def _run_attempts(self, mail_w: int) -> int:
         while True:
             self._start_group()
-            pids = " ".join(str(w.pid) for w in self.workers.values())
+            pids = " ".join(str(w.pid) for w in self.pool.all())
             self.console.notice(f"ftrun: run {self.config.run_id}, attempt {self.restart_count}: "
-                                f"{len(self.workers)} workers (pids {pids}); events in {self.run_dir}/events.jsonl",
+                                f"{len(self.pool.all())} workers (pids {pids}); events in {self.run_dir}/events.jsonl",
                                 style="dim")
-            if store is None:
-                store = self.store = self._open_store()
-            self.coordinator = Coordinator(self, store) if self.leader else Relay(self, store, self.lease)
-            if isinstance(self.coordinator, Relay):
-                for worker in self.workers.values():
-                    self.coordinator.on_start(worker)
-            result = self._watch(wake_r, mail_r)
-            self.events.write("attempt_end", attempt=self.restart_count, succeeded=result.succeeded,
-                              signal=result.signal, reason=result.reason,
-                              last_step=max(self.coordinator.last_step.values(), default=None))
+            if self.store is None:
+                self.store = self._open_store(mail_w)
+            self.coordination = self._coordination()
+            self.status.coordination, self.status.attempt = self.coordination, self.restart_count
+            for worker in self.pool.all():
+                self.coordination.on_start(worker)
+            result = self._watch()
+            self.log.write(events.ATTEMPT_END, attempt=self.restart_count, succeeded=result.succeeded,
+                           signal=result.signal, reason=result.reason,
+                           last_step=max(self.coordination.last_step.values(), default=None))
+            self.coordination.close(None if result.succeeded or result.signal is not None else result.reason)
             if result.succeeded:
-                self.events.write("end", outcome="succeeded")
+                self.log.write(events.END, outcome="succeeded")
                 return EXIT_OK
             if result.signal is not None:
-                self.console.notice(f"ftrun: stopped by {signal.Signals(result.signal).name}; all workers stopped")
-                self.events.write("end", outcome="interrupted", signal=result.signal)
+                self.console.notice(f"ftrun: stopped by {signal_name(result.signal)}; all workers stopped")
+                self.log.write(events.END, outcome="interrupted", signal=result.signal)
                 return EXIT_SIGNAL_BASE + result.signal
             if not self.leader:
                 self.console.notice(f"ftrun: node {self.config.node_rank}: {result.reason}", style="bold red")
-                self.events.write("end", outcome="failed", reason=result.reason)
+                self.log.write(events.END, outcome="failed", reason=result.reason)
                 return EXIT_WORKERS_FAILED
-            if self.config.multinode:
-                self.followers.stop(result.reason)
-            elif self.restart_count < self.config.max_restarts:
-                refused = self.gpu_health.why_no_restart()
+            if not self.config.multinode and self.restart_count < self.config.max_restarts:
+                refused = self.gpu_health.why_no_restart(self.config.nproc_per_node)
                 if refused is None:
                     self.restart_count += 1
                     self.store_host.clear_worker_keys()  # the new group must not read the old one's addresses
@@ -187,8 +164,56 @@ class Agent:
                     continue
                 result.reason = f"{result.reason}; no group restart: {refused}"
             self.console.notice(format_report(self.config.script, result.reason, result.failures), style="bold red")
-            self.events.write("end", outcome="failed", reason=result.reason)
+            self.log.write(events.END, outcome="failed", reason=result.reason)
             return EXIT_WORKERS_FAILED
+
+    def _connect(self, timeout: float = STORE_TIMEOUT) -> JobStore:
+        """A new client connection to the job's store."""
+        host = "127.0.0.1" if self.store_host is not None else self.config.store.host
+        return JobStore(open_client(host, self.config.store.port, timeout))
+
+    def _open_store(self, mail_w: int) -> JobStore:
+        """Serve the store (or connect to it), and start this node's mailbox reader and lease."""
+        config = self.config
+        if self.store_host is not None:
+            store = JobStore(self.store_host.start())
+        elif self.leader:
+            store = self._connect()
+        else:  # short calls, so that its loop goes on to fence itself if the store stops answering
+            store = JobStore(open_client_retrying(config.store.host, config.store.port, config.node_timeout / 2,
+                                                  STORE_TIMEOUT))
+        if self.leader:
+            store.write_job({"run_id": self.run_dir.name, "rdzv_id": config.run_id, "nnodes": config.min_nodes,
+                             "world_size": config.world_size, "run_dir": str(self.run_dir)})
+        self.mail = MailReader(self._connect, keys.node_box(config.node_rank), mail_w)
+        self.mail.start()
+        if config.multinode and self.leader:
+            self.node_leases = NodeLeases(store, list(range(1, config.min_nodes)), config.node_timeout,
+                                          time.monotonic())
+        elif config.multinode:
+            self.lease = LeaseKeeper(lambda: self._connect(config.node_timeout / 2), config.node_rank,
+                                     config.node_timeout)
+            self.lease.start()
+        self.status.store = store
+        return store
+
+    def _coordination(self) -> Coordination:
+        """The current attempt's coordination: the leader's, or this follower's."""
+        config = self.config
+        if not self.leader:
+            return Follower(config.node_rank, protocol.Plan(0, protocol.initial_members(self.sizes)),
+                            config.recovery.hang_timeout, self.store, self.log, self.console, self, self.pool,
+                            self.lease)
+        recovery = config.recovery
+        options = RecoveryOptions(recovery.enabled, recovery.min_nproc, recovery.recovery_timeout,
+                                  recovery.join_timeout)
+        setup = LeaderSetup(self.restart_count, self.sizes, options, recovery.respawn, recovery.hang_timeout,
+                            config.multinode)
+        leader = Leader(setup, self.store, self.log, self.console, self, self.pool, self.gpu_health)
+        if self.node_leases is not None:
+            leader.nodes = RemoteNodes(self.store, self.node_leases, config.min_nodes, self.restart_count, self.log,
+                                       self.console, self, leader)
+        return leader
 
     # ----------------------------------------------------------- workers
     def _start_group(self) -> None:
@@ -197,12 +222,11 @@ class Agent:
         A local rank whose GPU was evicted gets no worker: the group is smaller, its ranks stay contiguous
         and WORLD_SIZE says so.
         """
-        self.workers.clear()
-        self.next_uid = self.first_uid
         self.attempt_failure = None
         self.gpu_health.restarts.clear()  # uids are numbered per attempt
-        local_ranks = [r for r in range(self.config.nproc_per_node) if self.gpu_health.usable(r)]
+        local_ranks = self.gpu_health.usable_ranks(self.config.nproc_per_node)
         self.local_world = len(local_ranks)
+        self.pool.new_attempt(self.restart_count, self.sizes)
         for index, local_rank in enumerate(local_ranks):
             self.start_worker(local_rank, rank=self.config.rank_offset + index)
         for index in range(self.config.recovery.spares):
@@ -216,62 +240,24 @@ class Agent:
         sizes[self.config.node_rank] = self.local_world
         return tuple(sizes)
 
-    @property
-    def world_size(self) -> int:
-        """Training workers of the current attempt, all nodes."""
-        return sum(self.sizes)
-
-    def start_worker(self, local_rank: int, rank: int | None, respawn_of: WorkerSlot | None = None) -> Worker | None:
-        """Start one worker; ``rank`` None makes it a joiner (a spare, or ``respawn_of``'s replacement).
-
-        The replacement of another node's worker is started by that node's agent (None is returned).
-        """
-        if respawn_of is not None and node_of(respawn_of.uid) != self.config.node_rank:
-            control.post(self.store, control.node_box(node_of(respawn_of.uid)),
-                         {"t": "start_worker", "uid": respawn_of.uid, "local_rank": local_rank,
-                          "rank": respawn_of.rank})
-            return None
-        uid = self.next_uid
-        self.next_uid += 1
-        joiner = rank is None
-        shown_rank = respawn_of.rank if respawn_of else (uid if joiner else rank)
-        slot = WorkerSlot(uid=uid, worker_id=f"{self.config.node_rank}:{uid}", local_rank=local_rank,
-                          rank=shown_rank, spare=joiner)
-        first = uid - self.first_uid == local_rank
-        attempt_dir = self.run_dir / f"attempt_{self.restart_count}" / (str(local_rank) if first
-                                                                          else f"{local_rank}.{uid - self.first_uid}")
-        env = worker_env(self.config, rank=shown_rank, local_rank=local_rank, uid=uid,
-                         restart_count=self.restart_count, store_port=self.store_port,
-                         run_dir=str(self.run_dir), spare=joiner, node_sizes=self.sizes)
-        worker = spawn_worker(slot, self.config.command, env, attempt_dir / "error.json")
-        prefix = render_prefix(self.config.log_line_prefix_template, self.config.role, shown_rank, local_rank,
-                               self.config.node_name)
-        if joiner and respawn_of is None:
-            prefix = f"[spare{uid}]:"
-        console_mask = 0 if (self.config.local_ranks_filter is not None
-                             and local_rank not in self.config.local_ranks_filter) else 3
-        console_mask &= ~self.config.redirects.get(local_rank, 0)
-        log_dir = attempt_dir if self.config.log_dir else None
-        self.workers[uid] = worker
-        self.outputs[uid] = WorkerOutput(self.console, prefix, shown_rank, console_mask, log_dir)
-        for stream, pipe in ((STDOUT, worker.proc.stdout), (STDERR, worker.proc.stderr)):
-            os.set_blocking(pipe.fileno(), False)
-            self.selector.register(pipe, selectors.EVENT_READ, ("output", (uid, stream)))
-        self.selector.register(worker.pidfd, selectors.EVENT_READ, ("exit", uid))
-        self.selector.register(worker.channel, selectors.EVENT_READ, ("channel", uid))
-        self.events.write("worker_start", uid=uid, rank=shown_rank, local_rank=local_rank, pid=worker.pid,
-                          joiner=joiner, attempt=self.restart_count, node=self.config.node_rank)
-        if isinstance(self.coordinator, Relay):
-            self.coordinator.on_start(worker)
+    def start_worker(self, local_rank: int, rank: int | None, respawn_of: WorkerSlot | None = None) -> Worker:
+        """Start one worker of this node; ``rank`` None makes it a joiner (a spare, or ``respawn_of``'s
+        replacement)."""
+        worker = self.pool.start(local_rank, rank, respawn_of)
+        if self.coordination is not None:
+            self.coordination.on_start(worker)
         return worker
 
-    def live_workers(self) -> list[Worker]:
-        """This node's workers that have not ended."""
-        return [w for w in self.workers.values() if w.exitcode is None]
-
-    def job_workers(self) -> list[Worker | RemoteWorker]:
+    def job_workers(self) -> list[WorkerHandle]:
         """Every live worker this agent answers for: its own and, on the leader, the other nodes'."""
-        return [*self.live_workers(), *(self.followers.live() if self.followers is not None else [])]
+        remote = self.coordination.remote_workers() if self.coordination is not None else []
+        return [*self.pool.live(), *remote]
+
+    def ranked_workers(self) -> dict[int, Worker]:
+        """Live workers that hold a rank, by the rank they were started as: idle spares and joiners
+        waiting to be placed are left out; a placed joiner (a respawned worker) counts."""
+        members = set(self.coordination.plan.members) if self.coordination is not None else set()
+        return {w.slot.rank: w for w in self.pool.live() if not w.slot.joiner or w.uid in members}
 
     def stop_all(self, sig: int = signal.SIGTERM) -> None:
         """Signal every live worker and give them --shutdown-timeout seconds before SIGKILL."""
@@ -280,54 +266,60 @@ class Agent:
         if self.stop_deadline is None:
             self.stop_deadline = time.monotonic() + self.config.shutdown_timeout
 
+    def stopping(self) -> bool:
+        """Whether the attempt is being stopped."""
+        return self.stop_deadline is not None
+
     def end_attempt(self, reason: str) -> None:
         """Kill every worker of this node now (SIGKILL): the attempt fails with ``reason`` (the first one given)."""
         if self.attempt_failure is None:
             self.attempt_failure = reason
-            self.events.write("group_failure", reason=reason)
+            self.log.write(events.GROUP_FAILURE, reason=reason)
         self.stop_all(signal.SIGKILL)
 
+    def workers_failed(self, faults: list[tuple[WorkerHandle, WorkerFailure]]) -> None:
+        """Recover in place from failed workers, or end the attempt."""
+        if self.coordination.on_faults(faults):
+            return
+        self.result.failures.extend(failure for _, failure in faults)
+        self.result.reason = f"worker failure: {faults[0][1].summary()}"
+        self.log.write(events.GROUP_FAILURE, reason=self.result.reason)
+        self.stop_all()
+
     # -------------------------------------------------------------- loop
-    def _watch(self, wake_r: int, mail_r: int) -> AttemptResult:
+    def _watch(self) -> AttemptResult:
         """The event loop of one attempt: output, exits, control messages, mail, signals, deadlines."""
         result = self.result = AttemptResult()
         self.stop_deadline = None
         while self.job_workers():
-            timeout = self.config.monitor_interval
-            for key, _ in self.selector.select(timeout):
+            for key, _ in self.selector.select(self.config.monitor_interval):
                 kind, data = key.data
-                if kind == "output":
-                    self._read_output(key.fileobj, *data)
-                elif kind == "channel":
-                    self._read_channel(data)
-                elif kind == "exit":
+                if kind == OUTPUT:
+                    self.pool.read_output(key.fileobj, *data)
+                elif kind == CHANNEL:
+                    for message in self.pool.read_channel(data):
+                        self.coordination.on_message(self.pool.get(data), message)
+                elif kind == EXIT:
                     self._on_exit(data)
-                elif kind == "signal":
-                    self._on_signal(wake_r, result)
-                elif kind == "mail":
-                    self._read_mail(mail_r)
-                elif kind == WAKE:
+                elif kind == SIGNAL:
+                    self._on_signals(data.received(), result)
+                elif kind == MAIL:
+                    self._read_mail(data)
+                elif kind == GPU:
                     self.gpu_health.drain()
             now = time.monotonic()
-            if self.followers is not None:
-                self.followers.tick(now)
             if self.stop_deadline is not None and now > self.stop_deadline:
                 for worker in self.job_workers():
                     worker.send_signal(signal.SIGKILL)
-                self.stop_deadline = now + 3600
+                self.stop_deadline = now + KILL_REPEAT
             self.status.tick(now)
-            if self.stop_deadline is None:
-                fallback = self.coordinator.tick(now)
-                if fallback:
-                    result.reason = fallback
-                    self.stop_all()
-        for uid, worker in list(self.workers.items()):
-            self._drain(uid)
-            self.outputs.pop(uid).close()
-            self._unregister(worker)
-            worker.close()
+            fallback = self.coordination.tick(now)
+            if fallback:
+                result.reason = fallback
+                self.stop_all()
+        self.pool.close_all()
         result.reason = self.attempt_failure or result.reason
-        result.succeeded = result.signal is None and not result.reason and self.coordinator.succeeded()
+        result.succeeded = result.signal is None and not result.reason and self.coordination.succeeded()
         return result
 
     def _read_mail(self, mail_r: int) -> None:
@@ -344,103 +336,34 @@ class Agent:
                 else:
                     answer = handler(message)
                 try:
-                    control.reply(self.store, message, answer)
+                    self.store.reply(message, answer)
                 except RuntimeError:
                     pass  # the asker's store went away: nobody to answer
-            elif self.followers is not None:
-                self.followers.on_message(message)
             else:
-                self.coordinator.on_leader_message(message)
+                self.coordination.on_mail(message)
 
     def _ping(self, message: dict[str, Any]) -> dict[str, Any]:
         """Answer ``ping``: who this agent is and which ranks it runs."""
         return {"ok": True, "node_rank": self.config.node_rank, "pid": os.getpid(), "attempt": self.restart_count,
                 "ranks": {str(rank): w.pid for rank, w in self.ranked_workers().items()}}
 
-    def ranked_workers(self) -> dict[int, Worker]:
-        """Live workers that hold a rank, by the rank they were started as: idle spares and joiners
-        waiting to be placed are left out; a placed joiner (a respawned worker) counts."""
-        members = set(self.coordinator.plan.members)
-        return {w.slot.rank: w for w in self.live_workers() if not w.slot.spare or w.uid in members}
-
-    def _unregister(self, worker: Worker) -> None:
-        for obj in (worker.proc.stdout, worker.proc.stderr, worker.pidfd, worker.channel):
-            try:
-                self.selector.unregister(obj)
-            except (KeyError, ValueError):
-                pass
-
-    def _read_output(self, pipe, uid: int, stream: int) -> bool:
-        """Move one chunk of a worker's pipe to its output; False when nothing more is ready, or at EOF."""
-        if pipe not in self.selector.get_map():  # drained to EOF by _on_exit earlier in the same select batch
-            return False
-        try:
-            data = os.read(pipe.fileno(), 65536)
-        except BlockingIOError:
-            return False
-        self.outputs[uid].feed(stream, data)
-        if not data:
-            self.selector.unregister(pipe)
-        return bool(data)
-
-    def _drain(self, uid: int) -> None:
-        """Read what an ended worker left in its pipes, so its last words reach the log and the report."""
-        worker = self.workers[uid]
-        for stream, pipe in ((STDOUT, worker.proc.stdout), (STDERR, worker.proc.stderr)):
-            while self._read_output(pipe, uid, stream):
-                pass
-
-    def _read_channel(self, uid: int) -> None:
-        worker = self.workers[uid]
-        try:
-            data = worker.channel.recv(65536)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            data = b""
-        if not data:
-            self.selector.unregister(worker.channel)
-            return
-        worker.channel_buffer += data
-        *lines, worker.channel_buffer = worker.channel_buffer.split(b"\n")
-        for line in lines:
-            if line:
-                self.coordinator.on_message(worker, json.loads(line))
-
     def _on_exit(self, uid: int) -> None:
-        worker = self.workers[uid]
-        self.selector.unregister(worker.pidfd)
-        code = worker.reap()
-        self._drain(uid)
-        self.events.write("worker_exit", uid=uid, rank=worker.slot.rank, pid=worker.pid, exitcode=code,
-                          node=self.config.node_rank)
+        code = self.pool.reap(uid)
+        worker = self.pool.get(uid)
         if code == 0 or self.stop_deadline is not None:
             if code == 0:
-                self.coordinator.on_finished(worker)
+                self.coordination.on_finished(worker)
             return
         failure = describe_failure(worker.slot.rank, worker.slot.local_rank, worker.pid, code, worker.error_file,
-                                   self.outputs[uid].stderr_tail)
+                                   self.pool.stderr_tail(uid))
         self.workers_failed([(worker, failure)])
 
-    def workers_failed(self, faults: list[tuple[Worker | RemoteWorker, WorkerFailure]]) -> None:
-        """Recover in place from failed workers, or end the attempt."""
-        if self.coordinator.on_faults(faults):
-            return
-        self.result.failures.extend(failure for _, failure in faults)
-        self.result.reason = f"worker failure: {faults[0][1].summary()}"
-        self.events.write("group_failure", reason=self.result.reason)
-        self.stop_all()
-
-    def _on_signal(self, wake_r: int, result: AttemptResult) -> None:
-        try:
-            received = os.read(wake_r, 64)
-        except BlockingIOError:
-            return
+    def _on_signals(self, received: list[int], result: AttemptResult) -> None:
         for sig in received:
             if result.signal is not None:
                 for worker in self.job_workers():  # a second signal: no more waiting
                     worker.send_signal(signal.SIGKILL)
                 continue
             result.signal = sig
-            self.console.notice(f"ftrun: received {signal.Signals(sig).name}, stopping the workers")
+            self.console.notice(f"ftrun: received {signal_name(sig)}, stopping the workers")
             self.stop_all(sig)

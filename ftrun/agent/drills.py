@@ -6,7 +6,7 @@ single-threaded, so the event precedes the worker's exit and the recovery; a ref
 
 - ``kill``       SIGKILL the worker;
 - ``hang``       SIGSTOP it (the hang watchdog then dumps its stacks and kills it);
-- ``exception``  the worker raises :class:`ftrun.worker.drills.InjectedFault` in its main thread at its next step;
+- ``exception``  the worker raises :class:`ftrun.worker.injected.InjectedFault` in its main thread at its next step;
 - ``slow``       the worker sleeps ``seconds`` in each step (0 clears), for ``duration`` seconds if given;
 - ``xid``, ``ecc`` a GPU health signal on the worker's GPU, through the same policy path as a real NVML event.
 
@@ -21,15 +21,13 @@ import signal
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ftrun import protocol
+from ftrun import events, protocol
+from ftrun.agent.gpu_health import GpuHealth
+from ftrun.agent.ports import EventSink
 from ftrun.health.signals import Action
 
 if TYPE_CHECKING:
-    from ftrun.agent.agent import Agent
     from ftrun.agent.workers import Worker
-
-KINDS = ("kill", "hang", "exception", "slow", "xid", "ecc")
-"""The drills one ``inject`` command can carry (chaos is a client-side series of them)."""
 
 Answer = dict[str, Any]
 
@@ -39,45 +37,48 @@ class DrillError(Exception):
 
 
 class Drills:
-    """Serves ``inject`` for one agent; ``install`` registers it among the agent's commands."""
+    """Serves the ``inject`` command for one agent, on the workers it runs."""
 
-    def __init__(self, agent: Agent) -> None:
-        self.agent = agent
+    def __init__(self, log: EventSink, node_rank: int, ranked: Callable[[], dict[int, Worker]],
+                 adopted: Callable[[int], bool], gpu_health: GpuHealth) -> None:
+        self.log = log
+        self.node_rank = node_rank
+        self.ranked = ranked
+        """This node's live workers that hold a rank, by the rank they were started as."""
+        self.adopted = adopted
+        """Whether a worker (uid) uses the worker API."""
+        self.gpu_health = gpu_health
         self.kinds: dict[str, Callable[[Worker, dict[str, Any]], tuple[str, bool]]] = {
             "kill": self._kill, "hang": self._hang, "exception": self._exception, "slow": self._slow,
             "xid": self._gpu, "ecc": self._gpu}
-
-    def install(self) -> None:
-        """Serve ``{"cmd": "inject", "kind", "rank", ...}`` from this node's mailbox."""
-        self.agent.commands["inject"] = self.inject
 
     def inject(self, message: dict[str, Any]) -> Answer:
         """Validate the drill, record it, carry it out; the answer for the client."""
         kind = message.get("kind")
         try:
             if kind not in self.kinds:
-                raise DrillError(f"unknown drill {kind!r} (choose from {', '.join(KINDS)})")
+                raise DrillError(f"unknown drill {kind!r} (choose from {', '.join(protocol.DRILL_KINDS)})")
             worker = self._worker(message.get("rank"))
             what, fault = self.kinds[kind](worker, message)
         except DrillError as exc:
             return {"ok": False, "error": str(exc)}
         args = {k: v for k, v in message.items() if k not in ("cmd", "kind", "rank", "reply_to")}
-        record = self.agent.events.write("inject", kind=kind, rank=worker.slot.rank, uid=worker.uid,
+        record = self.log.write(events.INJECT, kind=kind, rank=worker.slot.rank, uid=worker.uid,
                                          pid=worker.pid, args=args)
-        where = f"rank {worker.slot.rank} (pid {worker.pid}, node {self.agent.config.node_rank})"
+        where = f"rank {worker.slot.rank} (pid {worker.pid}, node {self.node_rank})"
         return {"ok": True, "message": f"{where}: {what}", "rank": worker.slot.rank, "uid": worker.uid,
                 "pid": worker.pid, "fault": fault, "time": record["time"]}
 
     def _worker(self, rank: Any) -> Worker:
         """The live worker started as ``rank`` on this node."""
-        mine = self.agent.ranked_workers()
+        mine = self.ranked()
         if not isinstance(rank, int) or rank not in mine:
             ranks = ", ".join(str(r) for r in sorted(mine)) or "none"
-            raise DrillError(f"node {self.agent.config.node_rank} runs no live rank {rank!r} (its ranks: {ranks})")
+            raise DrillError(f"node {self.node_rank} runs no live rank {rank!r} (its ranks: {ranks})")
         return mine[rank]
 
     def _uses_api(self, worker: Worker, kind: str) -> None:
-        if worker.uid not in self.agent.coordinator.adopted:
+        if not self.adopted(worker.uid):
             raise DrillError(f"rank {worker.slot.rank} does not use the ftrun worker API (ftrun.init()), "
                              f"so it cannot act out '{kind}'; try kill or hang")
 
@@ -89,7 +90,7 @@ class Drills:
 
     def _hang(self, worker: Worker, _message: dict[str, Any]) -> tuple[str, bool]:
         worker.send_signal(signal.SIGSTOP)
-        if worker.uid in self.agent.coordinator.adopted:
+        if self.adopted(worker.uid):
             return "stopped (SIGSTOP); the hang watchdog will dump its stacks and kill it", True
         return "stopped (SIGSTOP); it does not use the worker API, so no watchdog will notice", False
 
@@ -117,7 +118,7 @@ class Drills:
             raise DrillError(f"{message['kind']} needs an integer value, not {value!r}")
         kind = "xid" if message["kind"] == "xid" else "ecc_uncorrected"
         try:
-            decision = self.agent.gpu_health.inject(kind, worker.slot.local_rank, value)
+            decision = self.gpu_health.inject(kind, worker.slot.local_rank, value)
         except ValueError as exc:
             raise DrillError(str(exc)) from None
         return f"{kind} {value} on its GPU: {decision.action.value} ({decision.reason})", \

@@ -16,13 +16,13 @@ def worker_env(
     restart_count: int,
     store_port: int,
     run_dir: str,
-    spare: bool = False,
+    joiner: bool = False,
     node_sizes: tuple[int, ...] | None = None,
 ) -> dict[str, str]:
     """Build one worker's environment exactly as torchrun 2.14 does, plus FTRUN_* variables.
 
     ``uid`` is the worker's incarnation id, unique within a run; a spare gets the rank it would have if
-    it joined now, and FTRUN_SPARE=1. ``node_sizes`` (training workers per node) defaults to the
+    it joined now, and FTRUN_JOINER=1. ``node_sizes`` (training workers per node) defaults to the
     configuration's; an attempt started without evicted GPUs' workers passes its smaller sizes.
     """
     env = dict(os.environ)
@@ -51,9 +51,9 @@ def worker_env(
         FTRUN_UID=str(uid),
         FTRUN_NODE_SIZES=",".join(map(str, sizes)),
         FTRUN_RUN_DIR=run_dir,
-        FTRUN_SPARE="1" if spare else "0",
+        FTRUN_JOINER="1" if joiner else "0",
         FTRUN_RECOVERY="1" if config.recovery.enabled else "0",
-        FTRUN_RECOVERY_TIMEOUT=str(config.recovery.recovery_timeout + config.recovery.join_timeout),
+        FTRUN_RECOVERY_DEADLINE=str(config.recovery.recovery_timeout + config.recovery.join_timeout),
     )
     if config.virtual_local_rank and "CUDA_VISIBLE_DEVICES" not in os.environ:
         env["CUDA_VISIBLE_DEVICES"] = str(local_rank)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
-import signal
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from ftrun.processes import signal_name
 
 
 @dataclass(frozen=True)
@@ -26,10 +27,8 @@ class WorkerFailure:
     def how(self) -> str:
         """``exit code 1`` or ``signal SIGKILL``."""
         if self.exitcode < 0:
-            try:
-                return f"signal {signal.Signals(-self.exitcode).name}"
-            except ValueError:
-                return f"signal {-self.exitcode}"
+            name = signal_name(-self.exitcode)
+            return name if name.startswith("signal ") else f"signal {name}"
         return f"exit code {self.exitcode}"
 
     def summary(self) -> str:

@@ -1,8 +1,9 @@
 """GPU health on the live job: NVML signals become actions on this node's workers.
 
 The NVML monitor runs on its own thread; each signal it reports is queued and the agent's event loop is
-woken through a pipe registered in its selector, so every decision is taken and acted on by the loop
-thread (the only thread that touches workers). Drills enter the same path through :meth:`GpuHealth.inject`.
+woken through a pipe (:attr:`GpuHealth.wake_fd`) it registers in its selector, so every decision is taken
+and acted on by the loop thread (the only thread that touches workers). Drills enter the same path through
+:meth:`GpuHealth.inject`.
 """
 
 from __future__ import annotations
@@ -10,21 +11,19 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import selectors
 import signal
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ftrun import events
+from ftrun.agent.ports import EventSink, LocalWorkers, Notices
 from ftrun.health.nvml import NvmlMonitor
 from ftrun.health.policy import XidTable, decide
 from ftrun.health.signals import SIGNAL_KINDS, Action, Decision, HealthSignal
 
 if TYPE_CHECKING:
-    from ftrun.agent.agent import Agent
     from ftrun.agent.workers import Worker
-
-WAKE = "gpu_health"
-"""The selector key data tag of the wake pipe: the loop calls :meth:`GpuHealth.drain` on it."""
 
 _STYLES = {Action.IGNORE: "dim", Action.RESTART_RANK: "bold yellow", Action.EVICT_GPU: "bold yellow",
            Action.EVICT_NODE: "bold red"}
@@ -33,12 +32,12 @@ _STYLES = {Action.IGNORE: "dim", Action.RESTART_RANK: "bold yellow", Action.EVIC
 class _ConsoleHandler(logging.Handler):
     """Shows the monitor's warnings (NVML unusable, a failing call) as ftrun notices."""
 
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, notices: Notices) -> None:
         super().__init__(logging.WARNING)
-        self.agent = agent
+        self.notices = notices
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.agent.console.notice(f"ftrun: {record.getMessage()}", style="yellow")
+        self.notices.notice(f"ftrun: {record.getMessage()}", style="yellow")
 
 
 class GpuHealth:
@@ -50,9 +49,16 @@ class GpuHealth:
     (:meth:`inject`) and evictions behave the same on CPU-only jobs.
     """
 
-    def __init__(self, agent: Agent, table: XidTable, *, poll_interval: float = 5.0) -> None:
-        self.agent = agent
+    def __init__(self, log: EventSink, notices: Notices, workers: LocalWorkers, end_attempt: Callable[[str], None],
+                 table: XidTable, *, local_ranks: int, min_nproc: int, poll_interval: float = 5.0) -> None:
+        self.log = log
+        self.notices = notices
+        self.workers = workers
+        self.end_attempt = end_attempt
         self.table = table
+        self.local_ranks = local_ranks
+        """Local ranks this node may start workers on: --nproc-per-node and the spares'."""
+        self.min_nproc = min_nproc
         self.monitor = NvmlMonitor(self._post, poll_interval=poll_interval)
         self.monitoring = False
         self.evicted: set[int] = set()
@@ -67,22 +73,25 @@ class GpuHealth:
         self._wake_r, self._wake_w = os.pipe()
         for fd in (self._wake_r, self._wake_w):
             os.set_blocking(fd, False)
-        self._log_handler = _ConsoleHandler(agent)
+        self._log_handler = _ConsoleHandler(notices)
 
     # ------------------------------------------------------------ lifecycle
+    @property
+    def wake_fd(self) -> int:
+        """Readable when a signal is queued: then call :meth:`drain` from the loop."""
+        return self._wake_r
+
     def start(self) -> None:
         """Start watching (one ``nvmlInit``); without NVML, one notice and the monitor stays off."""
         logger = logging.getLogger("ftrun.health")
         logger.addHandler(self._log_handler)
         logger.propagate = False
-        self.agent.selector.register(self._wake_r, selectors.EVENT_READ, (WAKE, None))
         self.monitoring = self.monitor.start()
 
     def stop(self) -> None:
-        """Stop the monitor (it shuts NVML down) and release the wake pipe."""
+        """Stop the monitor (it shuts NVML down) and release the wake pipe (unregister it first)."""
         self.monitor.stop()
         self._closed = True
-        self.agent.selector.unregister(self._wake_r)
         os.close(self._wake_r)
         os.close(self._wake_w)
         logger = logging.getLogger("ftrun.health")
@@ -124,20 +133,23 @@ class GpuHealth:
         """Whether a worker may be started on ``local_rank``: its GPU (if any) is not evicted."""
         return self.node_evicted is None and self.gpu_of(local_rank) not in self.evicted
 
-    def why_no_restart(self) -> str | None:
-        """Why the group cannot restart on this node after GPU evictions, or None when it can."""
+    def usable_ranks(self, nproc: int) -> list[int]:
+        """The local ranks below ``nproc`` a worker may be started on."""
+        return [rank for rank in range(nproc) if self.usable(rank)]
+
+    def why_no_restart(self, nproc: int) -> str | None:
+        """Why the group (``nproc`` local ranks) cannot restart on this node after GPU evictions, or None."""
         if self.node_evicted:
             return "this node is evicted"
-        config = self.agent.config
-        usable = sum(self.usable(r) for r in range(config.nproc_per_node))
-        if usable < config.recovery.min_nproc:
+        usable = len(self.usable_ranks(nproc))
+        if usable < self.min_nproc:
             return (f"GPU evictions left {usable} usable GPU{'s' if usable != 1 else ''} on this node, "
-                    f"below --min-nproc {config.recovery.min_nproc}")
+                    f"below --min-nproc {self.min_nproc}")
         return None
 
     def workers_on(self, gpu: int) -> list[Worker]:
         """The live workers (members, spares, joiners) whose local rank uses GPU ``gpu``."""
-        return [w for w in self.agent.live_workers() if self.gpu_of(w.slot.local_rank) == gpu]
+        return [w for w in self.workers.live() if self.gpu_of(w.slot.local_rank) == gpu]
 
     # ------------------------------------------------------------ decisions
     def handle(self, health: HealthSignal, source: str = "nvml") -> Decision:
@@ -154,10 +166,10 @@ class GpuHealth:
         if health.kind == "xid":
             self._last_xid[gpu] = health.value
         victims = self.workers_on(gpu)
-        self.agent.events.write("gpu_health", kind=health.kind, gpu=gpu, local_rank=health.local_rank,
+        self.log.write(events.GPU_HEALTH, kind=health.kind, gpu=gpu, local_rank=health.local_rank,
                                 value=health.value, action=decision.action.value, reason=decision.reason,
                                 source=source, detail=health.detail, pids=[w.pid for w in victims])
-        self.agent.console.notice(f"ftrun: GPU health: {decision.reason} -> {decision.action.value}",
+        self.notices.notice(f"ftrun: GPU health: {decision.reason} -> {decision.action.value}",
                                   style=_STYLES[decision.action])
         if decision.action is Action.RESTART_RANK:
             self.restarts.update(w.uid for w in victims)
@@ -167,7 +179,7 @@ class GpuHealth:
             self._kill(victims)
         elif decision.action is Action.EVICT_NODE:
             self.node_evicted = decision.reason
-            self.agent.end_attempt(f"this node is evicted: {decision.reason}")
+            self.end_attempt(f"this node is evicted: {decision.reason}")
         return decision
 
     def inject(self, kind: str, local_rank: int, value: int) -> Decision:
@@ -179,9 +191,8 @@ class GpuHealth:
         """
         if kind not in SIGNAL_KINDS:
             raise ValueError(f"unknown health signal kind {kind!r} (choose from {', '.join(SIGNAL_KINDS)})")
-        ranks = self.agent.config.nproc_per_node + self.agent.config.recovery.spares
-        if not 0 <= local_rank < ranks:
-            raise ValueError(f"local rank {local_rank} is not on this node (local ranks 0-{ranks - 1})")
+        if not 0 <= local_rank < self.local_ranks:
+            raise ValueError(f"local rank {local_rank} is not on this node (local ranks 0-{self.local_ranks - 1})")
         gpu = self.gpu_of(local_rank)
         if gpu is None:
             raise ValueError(f"local rank {local_rank} has no GPU on this node")

@@ -3,44 +3,16 @@
 from __future__ import annotations
 
 import socket
-import sys
 from collections import deque
 from pathlib import Path
 from string import Template
 from typing import IO
 
-from rich.console import Console
-from rich.text import Text
-
-from ftrun.config import STDERR, STDOUT
+from ftrun.console import STDERR, STDOUT, Console
+from ftrun.lines import LineBuffer
 
 _COLOURS = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta"]
 TAIL_LINES = 200
-
-
-class Console2:
-    """The agent's two console streams; rich colours on a terminal, plain bytes otherwise."""
-
-    def __init__(self) -> None:
-        self.out = Console(file=sys.stdout, highlight=False, soft_wrap=True)
-        self.err = Console(file=sys.stderr, highlight=False, soft_wrap=True)
-
-    def line(self, stream: int, prefix: str, colour: str, text: str) -> None:
-        """Print one worker line with its prefix."""
-        console = self.out if stream == STDOUT else self.err
-        if console.is_terminal:
-            console.print(Text(prefix, style=colour) + Text(" " + text))
-        else:
-            console.file.write(f"{prefix} {text}\n")
-            console.file.flush()
-
-    def notice(self, text: str, style: str = "bold") -> None:
-        """Print one line of ftrun's own on stderr (bold when a terminal)."""
-        if self.err.is_terminal:
-            self.err.print(Text(text, style=style))
-        else:
-            self.err.file.write(text + "\n")
-            self.err.file.flush()
 
 
 def render_prefix(template: str, role: str, rank: int, local_rank: int, hostname: str | None = None) -> str:
@@ -55,7 +27,7 @@ class WorkerOutput:
 
     def __init__(
         self,
-        console: Console2,
+        console: Console,
         prefix: str,
         rank: int,
         to_console: int,
@@ -65,7 +37,7 @@ class WorkerOutput:
         self.prefix = prefix
         self.colour = _COLOURS[rank % len(_COLOURS)]
         self.to_console = to_console
-        self.partial = {STDOUT: b"", STDERR: b""}
+        self.lines = {STDOUT: LineBuffer(), STDERR: LineBuffer()}
         self.stderr_tail: deque[str] = deque(maxlen=TAIL_LINES)
         self.files: dict[int, IO[bytes]] = {}
         if log_dir is not None:
@@ -78,12 +50,11 @@ class WorkerOutput:
             self.files[stream].write(data)
             self.files[stream].flush()
         if not data:
-            rest, self.partial[stream] = self.partial[stream], b""
+            rest = self.lines[stream].rest()
             if rest:
                 self._emit(stream, rest)
             return
-        *lines, self.partial[stream] = (self.partial[stream] + data).split(b"\n")
-        for line in lines:
+        for line in self.lines[stream].feed(data):
             self._emit(stream, line)
 
     def _emit(self, stream: int, raw: bytes) -> None:

@@ -9,21 +9,21 @@ Publishing is one psutil sample per worker (cached processes) and one or two sto
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from ftrun import control
+from ftrun.agent.ports import Coordination, LocalWorkers
+from ftrun.store.job import JobStore
 from ftrun.tally import EventTally, exit_reason
 
 if TYPE_CHECKING:
-    from ftrun.agent.agent import Agent
     from ftrun.agent.workers import Worker
 
 STATUS_INTERVAL = 1.0
@@ -47,14 +47,33 @@ def worker_state(exitcode: int | None, member: bool, spare: bool, recovering: bo
     return "spare" if spare else "joining"
 
 
-class StatusPublisher:
-    """Builds this node's status record (and the job's, on the leader) and writes them to the store."""
+@dataclass(frozen=True)
+class RunInfo:
+    """What the status records say of the run itself."""
 
-    def __init__(self, agent: Agent, gpu_status: GpuStatus | None = None) -> None:
-        self.agent = agent
+    run_id: str  # the run directory's name
+    rdzv_id: str
+    run_dir: str
+    node_rank: int
+    nnodes: int
+    world_size: int  # at the start
+
+
+class StatusPublisher:
+    """Builds this node's status record (and the job's, on the leader) and writes them to the store.
+
+    Feed every event to :attr:`tally` (an event log listener); point :attr:`coordination` and
+    :attr:`attempt` at the current attempt's before publishing.
+    """
+
+    def __init__(self, run: RunInfo, workers: LocalWorkers, gpu_status: GpuStatus | None = None) -> None:
+        self.run = run
+        self.workers = workers
         self.gpu_status = gpu_status
+        self.store: JobStore | None = None
+        self.coordination: Coordination | None = None
+        self.attempt = 0
         self.tally = EventTally()
-        agent.events.listeners.append(self.tally.add)
         self.host = socket.gethostname()
         self.processes: dict[int, psutil.Process] = {}  # pid -> cached Process (cpu_percent needs the same one)
         self.last_rank: dict[int, int] = {}  # uid -> the rank it held last (shown for workers that ended)
@@ -63,17 +82,16 @@ class StatusPublisher:
 
     def tick(self, now: float) -> None:
         """Called from the agent's loop with time.monotonic(): publish when a record is due."""
-        if now >= self.next_publish:
+        if now >= self.next_publish and self.store is not None and self.coordination is not None:
             self.publish()
             self.next_publish = now + STATUS_INTERVAL
 
     def publish(self) -> None:
         """Write this node's record, and the job's on the leader; skipped while the store cannot be reached."""
-        store = self.agent.store
         try:
-            store.set(control.status_node_key(self.agent.config.node_rank), json.dumps(self.node_record()))
-            if self.agent.config.node_rank == 0:
-                store.set(control.STATUS_JOB_KEY, json.dumps(self.job_record()))
+            self.store.write_status(self.run.node_rank, self.node_record())
+            if self.run.node_rank == 0:
+                self.store.write_job_status(self.job_record())
         except RuntimeError:  # torch's store errors: a lasting loss of the store is the lease's business
             pass
 
@@ -81,42 +99,41 @@ class StatusPublisher:
     def node_record(self) -> dict[str, Any]:
         """This node: its agent and one entry per worker of the current attempt, and its recent events."""
         gpus = self.gpu_status() if self.gpu_status else {}
-        live = {w.pid for w in self.agent.live_workers()}
+        live = {w.pid for w in self.workers.live()}
         for pid in set(self.processes) - live:
             del self.processes[pid]
-        workers = [self._worker(w, gpus.get(w.slot.local_rank)) for w in self.agent.workers.values()]
-        return {"node_rank": self.agent.config.node_rank, "host": self.host, "agent_pid": os.getpid(),
-                "time": time.time(), "attempt": self.agent.restart_count, "workers": workers,
+        workers = [self._worker(w, gpus.get(w.slot.local_rank)) for w in self.workers.all()]
+        return {"node_rank": self.run.node_rank, "host": self.host, "agent_pid": os.getpid(),
+                "time": time.time(), "attempt": self.attempt, "workers": workers,
                 "events": list(self.tally.recent)}
 
     def job_record(self) -> dict[str, Any]:
         """The job as the leader sees it: the event tally plus generation, world size, progress rate."""
-        coordinator = self.agent.coordinator
+        coordination = self.coordination
         now = time.time()
-        step = max(coordinator.last_step.values(), default=None)
+        step = max(coordination.last_step.values(), default=None)
         summary = self.tally.summary()
         del summary["events"]  # each node record carries its own
         summary.update(
-            rdzv_id=self.agent.config.run_id, run_id=self.agent.run_dir.name, run_dir=str(self.agent.run_dir),
-            nnodes=self.agent.config.min_nodes, world_size_initial=self.agent.config.world_size,
-            world_size=coordinator.plan.world_size, generation=coordinator.plan.gen,
-            recovering=coordinator.recovery is not None, restarting=coordinator.rescue is not None,
-            step=step, steps_per_s=self._rate(now, step), time=now)
+            rdzv_id=self.run.rdzv_id, run_id=self.run.run_id, run_dir=self.run.run_dir, nnodes=self.run.nnodes,
+            world_size_initial=self.run.world_size, world_size=coordination.plan.world_size,
+            generation=coordination.plan.gen, recovering=coordination.recovering,
+            restarting=coordination.restarting, step=step, steps_per_s=self._rate(now, step), time=now)
         return summary
 
     def _worker(self, worker: Worker, gpu: dict[str, Any] | None) -> dict[str, Any]:
-        coordinator = self.agent.coordinator
+        coordination = self.coordination
         uid = worker.uid
-        rank = coordinator.plan.rank_of(uid)
+        rank = coordination.plan.rank_of(uid)
         if rank is not None:
             self.last_rank[uid] = rank
-        progress = coordinator.watchdog.progress.get(uid) if worker.exitcode is None else None
-        state = worker_state(worker.exitcode, rank is not None, worker.slot.spare,
-                             coordinator.recovery is not None, uid in coordinator.watchdog.killing)
+        progress = coordination.watchdog.progress.get(uid) if worker.exitcode is None else None
+        state = worker_state(worker.exitcode, rank is not None, worker.slot.joiner,
+                             coordination.recovering, uid in coordination.watchdog.killing)
         cpu, rss = self._usage(worker.pid) if worker.exitcode is None else (None, None)
         return {"uid": uid, "rank": self.last_rank.get(uid), "local_rank": worker.slot.local_rank,
                 "pid": worker.pid, "state": state, "exit": exit_reason(worker.exitcode),
-                "step": coordinator.last_step.get(uid),
+                "step": coordination.last_step.get(uid),
                 "step_time": progress.step_times[-1] if progress and progress.step_times else None,
                 "since_progress": time.monotonic() - progress.last if progress else None,
                 "cpu_percent": cpu, "rss": rss, "gpu": gpu}

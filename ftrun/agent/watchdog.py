@@ -9,15 +9,13 @@ import signal
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import psutil
 
+from ftrun import events
+from ftrun.agent.ports import EventSink, LocalWorkers, Notices
 from ftrun.health.hangs import HangPolicy, RankActivity, hang_timeout, hung_ranks
 from ftrun.protocol import STACK_DUMP_SIGNAL
-
-if TYPE_CHECKING:
-    from ftrun.agent.agent import Agent
 
 DUMP_GRACE = 0.5  # seconds between the stack dump request and the kill
 
@@ -32,10 +30,12 @@ class _Progress:
 
 
 class HangWatchdog:
-    """Tracks each worker's progress and handles the ones that hang."""
+    """Tracks the progress of this node's workers and handles the ones that hang."""
 
-    def __init__(self, agent: Agent, policy: HangPolicy) -> None:
-        self.agent = agent
+    def __init__(self, workers: LocalWorkers, log: EventSink, notices: Notices, policy: HangPolicy) -> None:
+        self.workers = workers
+        self.log = log
+        self.notices = notices
         self.policy = policy
         self.progress: dict[int, _Progress] = {}
         self.killing: dict[int, float] = {}  # uid -> when to SIGKILL it (after its stack dump)
@@ -72,7 +72,7 @@ class HangWatchdog:
         for uid, when in list(self.killing.items()):
             if now >= when:
                 del self.killing[uid]
-                self.agent.workers[uid].send_signal(signal.SIGKILL)
+                self.workers.get(uid).send_signal(signal.SIGKILL)
 
     def check(self, members: list[int]) -> str | None:
         """Start dumping and killing hung members (recovery follows their death); a reason if all are stuck."""
@@ -91,14 +91,14 @@ class HangWatchdog:
     def _activity(self, uid: int, now: float) -> RankActivity:
         p = self.progress[uid]
         return RankActivity(now - p.last, hang_timeout(self.policy, p.step_times, p.committed),
-                            p.entered_step > p.committed_step, _is_stopped(self.agent.workers[uid].pid))
+                            p.entered_step > p.committed_step, _is_stopped(self.workers.get(uid).pid))
 
     def _dump_and_kill(self, uid: int, activity: RankActivity, now: float) -> None:
-        worker = self.agent.workers[uid]
-        self.agent.events.write("hang", uid=uid, rank=worker.slot.rank, pid=worker.pid,
+        worker = self.workers.get(uid)
+        self.log.write(events.HANG, uid=uid, rank=worker.slot.rank, pid=worker.pid,
                                 silent_for=round(activity.silent_for, 3), timeout=round(activity.timeout, 3),
                                 stopped=activity.stopped, in_collective=activity.in_collective)
-        self.agent.console.notice(
+        self.notices.notice(
             f"ftrun: rank {worker.slot.rank} (pid {worker.pid}) made no progress for {activity.silent_for:.1f} s "
             f"(timeout {activity.timeout:.1f} s): dumping its stacks, then killing it", style="bold yellow")
         worker.send_signal(STACK_DUMP_SIGNAL)

@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import socket
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-_PR_SET_PDEATHSIG = 1
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def die_with_parent() -> None:
-    """Runs in the child between fork and exec: SIGKILL it if the agent dies, even by SIGKILL."""
-    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+from ftrun.lines import LineBuffer
+from ftrun.processes import die_with_parent
 
 
 @dataclass
@@ -28,7 +21,7 @@ class WorkerSlot:
     worker_id: str  # node:uid, unique across nodes
     local_rank: int
     rank: int  # rank the process was started with (its console prefix); the plan may renumber it
-    spare: bool = False
+    joiner: bool = False  # started to join later (a spare, or a replacement): placed by a plan, not at the start
 
 
 @dataclass
@@ -43,7 +36,7 @@ class Worker:
     started_at: float
     exitcode: int | None = None
     exited_at: float | None = None
-    channel_buffer: bytes = b""
+    channel_lines: LineBuffer = field(default_factory=LineBuffer)
 
     @property
     def uid(self) -> int:

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from ftrun import control, registry
+from ftrun import registry
 from ftrun.errors import NoSuchJob
 from ftrun.events import read_events
 from ftrun.status.document import ended_document, live_document
+from ftrun.store.client import connect
+from ftrun.store.job import JobStore, MalformedValue
 
 FIRST_RECORD_WAIT = 5.0
 """Seconds to wait for a job's first status record (it is written within a second of the start)."""
@@ -24,7 +24,7 @@ class Target:
 
     endpoint: str | None
     run_dir: Path | None
-    store: Any = field(default=None, repr=False)  # the client connection, kept between --watch refreshes
+    store: JobStore | None = field(default=None, repr=False)  # the connection, kept between --watch refreshes
 
     def document(self) -> dict[str, Any]:
         """The job's status document: live from its store, else (it ended) from its event log."""
@@ -38,19 +38,20 @@ class Target:
         return ended_document(read_events(self.run_dir / "events.jsonl"), self.run_dir)
 
     def _live(self) -> dict[str, Any]:
-        if self.store is None:
-            self.store = control.connect(self.endpoint)
-            try:
-                self.store.wait([control.STATUS_JOB_KEY], timedelta(seconds=FIRST_RECORD_WAIT))
-            except RuntimeError:
-                raise NoSuchJob(f"no ftrun status record at {self.endpoint} within {FIRST_RECORD_WAIT:.0f} s "
-                                f"(not an ftrun job's store, or an ftrun without `status`)") from None
+        first = self.store is None
+        if first:
+            self.store = JobStore(connect(self.endpoint))
         try:
-            job = json.loads(self.store.get(control.STATUS_JOB_KEY))
-            keys = [control.status_node_key(n) for n in range(job["nnodes"])]
-            nodes = [json.loads(self.store.get(key)) for key in keys if self.store.check([key])]  # published ones
+            job = self.store.read_job_status(FIRST_RECORD_WAIT if first else 0.0)
+            if job is None:
+                raise NoSuchJob(f"no ftrun status record at {self.endpoint} within {FIRST_RECORD_WAIT:.0f} s "
+                                f"(not an ftrun job's store, or an ftrun without `status`)")
+            records = (self.store.read_node_status(n) for n in range(job["nnodes"]))
+            nodes = [record for record in records if record is not None]  # the published ones
         except RuntimeError as exc:  # the store went away: the job ended
             raise NoSuchJob(f"the job at {self.endpoint} is gone ({str(exc).splitlines()[0]})") from None
+        except MalformedValue as exc:
+            raise NoSuchJob(f"the status records at {self.endpoint} are unreadable ({exc})") from None
         return live_document(job, nodes, self.endpoint, time.time())
 
 

@@ -8,6 +8,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from ftrun.lines import LineBuffer
 from ftrun.protocol import encode
 
 
@@ -36,7 +37,7 @@ class AgentChannel:
                 pass
 
     def _read_forever(self) -> None:
-        buffer = b""
+        lines = LineBuffer()
         while True:
             try:
                 data = self.sock.recv(65536)
@@ -44,7 +45,6 @@ class AgentChannel:
                 return
             if not data:
                 return
-            *lines, buffer = (buffer + data).split(b"\n")
-            for line in lines:
+            for line in lines.feed(data):
                 if line:
                     self._on_message(json.loads(line))

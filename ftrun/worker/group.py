@@ -24,6 +24,7 @@ import psutil
 import torch.distributed as dist
 
 from ftrun.protocol import Plan
+from ftrun.store import keys
 
 
 class Superseded(Exception):
@@ -61,7 +62,7 @@ class Communicator:
 
     def __init__(self, store: dist.Store, attempt: int, uid: int, backend: str, timeout: timedelta) -> None:
         self.store = store
-        self.prefix = f"ftrun/a{attempt}"
+        self.attempt = attempt
         self.uid = uid
         self.backend = backend
         self.timeout = timeout
@@ -74,9 +75,8 @@ class Communicator:
 
     def form(self, plan: Plan, superseded: Callable[[], bool]) -> None:
         """Form ``plan``'s group; raises :class:`Superseded` if a newer plan comes during the barrier."""
-        barrier = f"{self.prefix}/g{plan.gen}/arrived/"
-        self.store.set(barrier + str(self.uid), "1")
-        self._wait_keys([barrier + str(uid) for uid in plan.members], superseded)
+        self.store.set(keys.arrived(self.attempt, plan.gen, self.uid), "1")
+        self._wait_keys([keys.arrived(self.attempt, plan.gen, uid) for uid in plan.members], superseded)
         if dist.is_initialized():
             self.abort()
             _abandon(dist.group.WORLD)
@@ -102,7 +102,7 @@ class Communicator:
 
     def _init(self, name: str, rank: int | None, world_size: int) -> None:
         before, hook = _tcp_fds(), sys.excepthook
-        dist.init_process_group(self.backend, store=dist.PrefixStore(f"{self.prefix}/{name}", self.store),
+        dist.init_process_group(self.backend, store=dist.PrefixStore(keys.group_prefix(self.attempt, name), self.store),
                                 rank=rank, world_size=world_size, timeout=self.timeout)
         sys.excepthook = hook  # torch's would stack a "[rankN]:" prefix per group; the agent prefixes lines
         with self._lock:

@@ -21,7 +21,8 @@ from torch.nn.parallel import DistributedDataParallel
 from ftrun import protocol
 from ftrun.protocol import Plan, initial_members
 from ftrun.worker.channel import AgentChannel
-from ftrun.worker.drills import Drills
+from ftrun.store.client import open_client
+from ftrun.worker.injected import WorkerDrills
 from ftrun.worker.group import Communicator, Superseded
 from ftrun.worker.state import Stateful, load_rescue, pack, save_rescue, unpack
 
@@ -41,9 +42,10 @@ class Session:
     def __init__(self, backend: str | None = None, timeout: timedelta = timedelta(minutes=30)) -> None:
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.uid = int(os.environ.get("FTRUN_UID", os.environ.get("RANK", "0")))
-        self.spare = os.environ.get("FTRUN_SPARE") == "1"
+        self.spare = os.environ.get("FTRUN_JOINER") == "1"
         self.managed = "FTRUN_CHANNEL_FD" in os.environ and os.environ.get("FTRUN_RECOVERY", "1") == "1"
-        self.recovery_timeout = float(os.environ.get("FTRUN_RECOVERY_TIMEOUT", "30"))
+        self.recovery_timeout = float(os.environ.get("FTRUN_RECOVERY_DEADLINE", "0"))
+        """Seconds this worker waits for a recovery to finish (the agent's --recovery-timeout + --join-timeout)."""
         self.protected: dict[str, Stateful] = {}
         self.committed_step = -1
         self.gen = 0
@@ -60,14 +62,13 @@ class Session:
         self._epoch = 0  # steps and recoveries started: a late collective failure only fails its own epoch
         self._entered_epoch = -1  # the epoch whose first collective was reported to the agent
         self._step_started = 0.0
-        self._drills = Drills()  # `ftrun inject exception|slow`, acted out at the start of a step
+        self._drills = WorkerDrills()  # `ftrun inject exception|slow`, acted out at the start of a step
         atexit.register(_shut_down_group)
         if not self.managed:
             dist.init_process_group(self.backend, timeout=timeout)
             self.channel = None
             return
-        self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                                   timeout=timedelta(seconds=300))
+        self.store = open_client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=300)
         self.comm = Communicator(self.store, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), self.uid,
                                  self.backend, timeout)
         self.channel = AgentChannel(int(os.environ["FTRUN_CHANNEL_FD"]), self._on_message)

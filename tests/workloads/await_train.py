@@ -60,7 +60,7 @@ def main() -> None:
     args = train_ddp.parse_args()
     ft = ftrun.init()
     training = train_ddp.build(args, ft, bucket_cap_mb=1)
-    if os.environ.get("FTRUN_SPARE") == "1":
+    if os.environ.get("FTRUN_JOINER") == "1":
         for when, what in AWAIT:
             if when == "joiner":
                 wait_for(what)

@@ -1,0 +1,230 @@
+"""Every decision of the recovery protocol, as pure functions of (what the leader knows, what happened, now).
+
+Which workers a fault took, the next generation, whether the survivors can recover in place or the group
+must restart (after saving their state, or at once), when a recovery or a wait for joiners has taken too
+long, when a rescue is over, and what a finished recovery cost. Each returns its decision with the reason a
+person reads; none touches a process, the store, the clock or the log (``now`` is ``time.monotonic()``,
+passed in). :mod:`ftrun.agent.leader` carries the decisions out.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ftrun.protocol import Plan
+
+
+@dataclass
+class Membership:
+    """What the leader knows of the current attempt's workers (all nodes), by uid."""
+
+    plan: Plan
+    target: int  # training workers the attempt started with: joiners top a generation up to it
+    adopted: set[int] = field(default_factory=set)  # joined through the worker API (ftrun.init)
+    ready: list[int] = field(default_factory=list)  # joiners waiting to be placed, oldest first
+    finished: set[int] = field(default_factory=set)  # exited with code 0
+    trained: set[int] = field(default_factory=set)  # committed at least one step
+    joiners: set[int] = field(default_factory=set)  # placed after the start (spares, respawned workers)
+    left_loop: set[int] = field(default_factory=set)  # finished their step loop: the training is complete
+    last_step: dict[int, int] = field(default_factory=dict)  # last committed step, per worker
+
+    @property
+    def committed(self) -> int:
+        """The highest step any worker committed (-1 before the first)."""
+        return max(self.last_step.values(), default=-1)
+
+
+@dataclass(frozen=True)
+class RecoveryOptions:
+    """The flags recovery decisions depend on."""
+
+    enabled: bool = True
+    min_nproc: int = 1
+    recovery_timeout: float = 30.0
+    join_timeout: float = 60.0
+
+
+@dataclass
+class Recovery:
+    """One recovery in progress: from the first fault noticed (or joiner ready) to the first step after it."""
+
+    kind: str  # "fault" or "join"
+    began: float  # monotonic: its deadline counts from here
+    started: float  # wall clock: when the fault happened, as far as is known (latencies are measured from it)
+    noticed: float  # wall clock: when ftrun learned of it (later than ``started`` for a lost node)
+    before: Plan  # the generation the fault hit: lost ranks are named by their rank in it
+    committed_before: int
+    lost_ranks: list[int] = field(default_factory=list)
+    lost_uids: list[int] = field(default_factory=list)
+    plan_sent: float = 0.0  # wall clock
+    gen: int = 0
+    reports: dict[int, dict[str, Any]] = field(default_factory=dict)  # uid -> its ``recovered`` message
+    waiting_since: float | None = None  # monotonic: below --min-nproc, waiting for joiners since
+
+
+@dataclass
+class Rescue:
+    """Before a group restart: the live workers write their last committed state, within a deadline."""
+
+    reason: str
+    deadline: float  # monotonic
+    waiting: set[int]
+    saved: dict[int, int] = field(default_factory=dict)  # uid -> committed step written
+
+
+class Act(enum.Enum):
+    """What a decision asks the leader to do."""
+
+    NONE = "none"  # nothing (the reason says why, where there is one)
+    NEW_PLAN = "new_plan"  # issue ``plan``: the survivors (and joiners) recover in place
+    WAIT = "wait"  # below --min-nproc: keep ``plan`` (the survivors) and wait for joiners
+    RESCUE = "rescue"  # no in-place recovery: the live workers save their state, then the group restarts
+    RESTART = "restart"  # no in-place recovery and no state worth saving: restart the group now
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A decision and its reason; ``plan`` for NEW_PLAN and WAIT."""
+
+    act: Act
+    reason: str = ""
+    plan: Plan | None = None
+
+
+NOTHING = Decision(Act.NONE)
+
+
+def next_plan(current: Plan, lost: Collection[int], ready: Sequence[int], target: int, reason: str) -> Plan:
+    """The generation after ``current`` without the ``lost`` workers, topped up from ``ready`` joiners.
+
+    Survivors keep their relative order (so ranks shift down past a lost one); joiners take the last
+    ranks, as many as it takes to return to ``target`` workers.
+    """
+    survivors = [uid for uid in current.members if uid not in lost]
+    joiners = list(ready[: max(0, target - len(survivors))])
+    return Plan(current.gen + 1, survivors + joiners, reason, lost=sorted(lost), joiners=joiners)
+
+
+def why_not_in_place(members: Collection[int], adopted_api: Collection[int], survivors: int,
+                     available_joiners: int, min_nproc: int) -> str | None:
+    """The reason a fault must be handled by a group restart, or None when in-place recovery can go ahead.
+
+    ``survivors`` excludes the lost workers; joiners that are ready count toward ``min_nproc``.
+    """
+    missing = [uid for uid in members if uid not in adopted_api]
+    if missing:
+        return ("not every worker had joined through ftrun.init(): the script does not use the worker API, "
+                "or was still starting, so it cannot recover in place")
+    if survivors == 0:
+        return "no worker survived"
+    if survivors + available_joiners < min_nproc:
+        return f"only {survivors} workers left, below --min-nproc {min_nproc}"
+    return None
+
+
+def split_lost(m: Membership, uids: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The lost workers that were members of the current generation, and the joiners (not yet placed)."""
+    members = [uid for uid in uids if uid not in m.ready and uid in m.plan.members]
+    return members, [uid for uid in uids if uid not in members]
+
+
+def survivors(m: Membership, lost: Collection[int]) -> list[int]:
+    """The members that are neither lost nor finished, in rank order."""
+    return [uid for uid in m.plan.members if uid not in lost and uid not in m.finished]
+
+
+def lost_ranks(before: Plan, current: Plan, lost: Sequence[int]) -> list[int]:
+    """The ranks of ``lost`` members in ``before`` (the generation the fault hit), else in ``current``."""
+    return [before.rank_of(uid) if uid in before.members else current.rank_of(uid) for uid in lost]
+
+
+def decide_fault(m: Membership, options: RecoveryOptions, lost: Sequence[int], ranks: Sequence[int],
+                 replacements: int, rescuing: bool) -> Decision:
+    """What to do when the members ``lost`` (ranks ``ranks`` where the fault hit) failed together.
+
+    ``replacements`` of them get a new worker (``--respawn``, a GPU restart), which counts toward
+    ``--min-nproc`` like a ready joiner. While a rescue runs, nothing more is decided: the group restarts.
+    """
+    if not options.enabled:
+        return Decision(Act.RESTART, "in-place recovery is off (--no-recovery)")
+    if rescuing or not lost:
+        return NOTHING
+    alive = survivors(m, lost)
+    reason = why_not_in_place(m.plan.members, m.adopted, len(alive), len(m.ready) + replacements, options.min_nproc)
+    if reason is not None:
+        save = all(uid in m.adopted for uid in m.plan.members)
+        return Decision(Act.RESCUE if save else Act.RESTART, reason)
+    if len(alive) + len(m.ready) < options.min_nproc:
+        return Decision(Act.WAIT, f"{len(alive)} workers left, below --min-nproc {options.min_nproc}: waiting for "
+                                  "joiners", Plan(m.plan.gen, alive))
+    what = f"lost rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+    return Decision(Act.NEW_PLAN, what, next_plan(m.plan, lost, m.ready, m.target, what))
+
+
+def decide_join(m: Membership, options: RecoveryOptions, recovery: Recovery | None) -> Decision:
+    """Whether ready joiners fill the current generation now (NEW_PLAN), must wait for more (WAIT), or not."""
+    if recovery is not None and recovery.waiting_since is None:
+        return Decision(Act.NONE, "a recovery is under way; joiners are placed once it is done")
+    if not m.ready or len(m.plan.members) >= m.target or m.left_loop or m.finished:
+        return NOTHING  # nobody to place, full, or the training is over
+    if len(m.plan.members) + len(m.ready) < options.min_nproc:
+        return Decision(Act.WAIT, f"below --min-nproc {options.min_nproc}: waiting for more joiners", m.plan)
+    return Decision(Act.NEW_PLAN, "joiner ready", next_plan(m.plan, (), m.ready, m.target, "joiner ready"))
+
+
+def decide_deadline(recovery: Recovery | None, options: RecoveryOptions, now: float) -> Decision:
+    """RESCUE when a wait for joiners or an in-place recovery has outlived its timeout at monotonic ``now``."""
+    if recovery is None:
+        return NOTHING
+    if recovery.waiting_since is not None:
+        if now - recovery.waiting_since > options.join_timeout:
+            return Decision(Act.RESCUE, f"no joiner came within --join-timeout {options.join_timeout:g} s "
+                                        f"to reach --min-nproc {options.min_nproc}")
+    elif now - recovery.began > options.recovery_timeout:
+        return Decision(Act.RESCUE, f"in-place recovery did not finish within --recovery-timeout "
+                                    f"{options.recovery_timeout:g} s")
+    return NOTHING
+
+
+def rescue_outcome(rescue: Rescue, now: float) -> str | None:
+    """None while live workers are still saving (before the deadline); then why the group restarts."""
+    if rescue.waiting and now < rescue.deadline:
+        return None
+    best = max(rescue.saved.values(), default=-1)
+    if best < 0:
+        return rescue.reason
+    return f"{rescue.reason}; the state of step {best} was saved for the restart"
+
+
+def succeeded(m: Membership) -> bool:
+    """Whether every member of the current generation finished with exit code 0.
+
+    A joiner placed as the others were finishing, which never committed a step, does not count.
+    """
+    counted = [uid for uid in m.plan.members if uid not in m.joiners or uid in m.trained]
+    return bool(counted) and all(uid in m.finished for uid in counted)
+
+
+def recovery_summary(recovery: Recovery, first_commit: dict[str, Any], world_after: int) -> dict[str, Any]:
+    """The ``recovery`` event's fields once the first step of the new generation committed.
+
+    Phases: detect (fault to ftrun knowing), plan (to the plan sent), abort, rendezvous, agree and transfer
+    (the slowest worker's), first_step (from the last worker done recovering to the commit); steps lost:
+    committed steps the survivors no longer hold.
+    """
+    reports = recovery.reports.values()
+    done = first_commit["time"]
+    phases = {"detect": round(max(0.0, recovery.noticed - recovery.started), 6),
+              "plan": round(recovery.plan_sent - max(recovery.noticed, recovery.started), 6)}
+    for name in ("abort", "rendezvous", "agree", "transfer"):
+        phases[name] = max((r["timings"][name] for r in reports), default=0.0)
+    recovered_at = max((r["plan_received"] + sum(r["timings"].values()) for r in reports), default=recovery.plan_sent)
+    phases["first_step"] = round(done - recovered_at, 6)
+    after = min((r["step"] for r in reports), default=recovery.committed_before)
+    return {"kind": recovery.kind, "gen": recovery.gen, "lost_ranks": recovery.lost_ranks,
+            "lost_uids": recovery.lost_uids, "world_before": recovery.before.world_size, "world_after": world_after,
+            "steps_lost": max(0, recovery.committed_before - max(after, first_commit["step"] - 1)),
+            "resumed_at_step": first_commit["step"], "latency": round(done - recovery.started, 6), "phases": phases}

@@ -1,0 +1,163 @@
+"""A follower's coordination: its workers' news goes to the leader, the leader's word to its workers.
+
+A follower (an agent of node 1 and up) watches its own workers' hangs, renews its lease (and fences itself,
+killing its workers, when it cannot), and otherwise carries out what the leader decides.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+from ftrun import events, protocol
+from ftrun.agent.ports import EventSink, LocalWorkers, Notices, WorkerControl, WorkerHandle
+from ftrun.agent.watchdog import HangWatchdog
+from ftrun.agent.workers import WorkerSlot
+from ftrun.health.hangs import HangPolicy
+from ftrun.store import keys
+from ftrun.store.job import JobStore
+from ftrun.store.leases import LeaseKeeper
+
+if TYPE_CHECKING:
+    from ftrun.agent.failures import WorkerFailure
+    from ftrun.agent.workers import Worker
+
+PROGRESS_FORWARD_INTERVAL = 0.5
+"""A follower forwards a worker's first commit of each generation at once, later ones at most this often."""
+
+
+class Follower:
+    """A follower's part in an attempt: relays, hang watching, the lease, and the leader's orders."""
+
+    def __init__(self, node_rank: int, plan: protocol.Plan, hang_timeout: float | None, store: JobStore,
+                 log: EventSink, notices: Notices, control: WorkerControl, local: LocalWorkers,
+                 lease: LeaseKeeper) -> None:
+        self.node_rank = node_rank
+        self.store = store
+        self.log = log
+        self.control = control
+        self.local = local
+        self.lease = lease
+        self.watchdog = HangWatchdog(local, log, notices, HangPolicy(fixed=hang_timeout))
+        self.forwarded: dict[int, tuple[int, float]] = {}  # uid -> (gen, monotonic time) of the last forwarded commit
+        self.stop_reason: str | None = None
+        # what this node knows of the job, for its status record
+        self.plan = plan
+        self.last_step: dict[int, int] = {}
+        self.joined: set[int] = set()  # workers that joined through the API
+        self.recovery_gen: int | None = None  # the generation being recovered into, until its first commit here
+
+    # ------------------------------------------------------------ the Coordination view
+    @property
+    def recovering(self) -> bool:
+        """Whether this node's workers are recovering into a new generation."""
+        return self.recovery_gen is not None
+
+    @property
+    def restarting(self) -> bool:
+        """A follower never restarts its group on its own."""
+        return False
+
+    def adopted(self, uid: int) -> bool:
+        """Whether worker ``uid`` joined through the worker API."""
+        return uid in self.joined
+
+    def remote_workers(self) -> list[WorkerHandle]:
+        """A follower answers for its own workers only."""
+        return []
+
+    def succeeded(self) -> bool:
+        """A follower's part succeeded unless the leader or its lease stopped it."""
+        return self.stop_reason is None and self.lease.fence_reason(time.monotonic()) is None
+
+    # ------------------------------------------------------------ inputs
+    def on_mail(self, message: dict[str, Any]) -> None:
+        """The leader's word for this node: a message for a worker, a signal, a worker to start, a stop."""
+        kind, uid = message["t"], message.get("uid")
+        worker = self.local.get(uid) if isinstance(uid, int) else None
+        if kind == protocol.RELAY and worker is not None and worker.exitcode is None:
+            self._follow_plans(message["data"])
+            worker.send(message["data"].encode())
+        elif kind == protocol.SIGNAL and worker is not None:
+            worker.send_signal(message["sig"])
+        elif kind == protocol.START_WORKER:  # the replacement of this node's worker ``uid``
+            slot = WorkerSlot(uid=uid, worker_id=f"{self.node_rank}:{uid}", local_rank=message["local_rank"],
+                              rank=message["rank"])
+            self.control.start_worker(slot.local_rank, rank=None, respawn_of=slot)
+        elif kind == protocol.STOP:
+            self.stop_reason = message["reason"]
+
+    def on_start(self, worker: Worker) -> None:
+        """A worker of this node started."""
+        slot = worker.slot
+        self._tell_leader({"t": protocol.WORKER_STARTED, "uid": slot.uid, "pid": worker.pid,
+                           "local_rank": slot.local_rank, "rank": slot.rank, "joiner": slot.joiner})
+
+    def on_message(self, worker: WorkerHandle, message: dict[str, Any]) -> None:
+        """A control message from a worker of this node: fed to the watchdog, passed on when the leader needs it."""
+        uid, kind = worker.uid, message.get("t")
+        if kind == protocol.HELLO:
+            self.joined.add(uid)
+            self.watchdog.started(uid)
+        elif kind == protocol.ENTERED:
+            self.watchdog.entered(uid, message["step"])
+            return  # node-local: only the watchdog needs it
+        elif kind == protocol.FINISHED:
+            self.watchdog.finished(uid)
+        elif kind == protocol.PROGRESS:
+            self.watchdog.committed(uid, message["step"], message["step_time"])
+            self.last_step[uid] = message["step"]
+            if message["gen"] == self.recovery_gen:
+                self.recovery_gen = None
+            gen, last = self.forwarded.get(uid, (-1, 0.0))
+            now = time.monotonic()
+            if gen == message["gen"] and now - last < PROGRESS_FORWARD_INTERVAL:
+                return
+            self.forwarded[uid] = (message["gen"], now)
+        self._tell_leader({"t": protocol.WORKER_MESSAGE, "uid": uid, "msg": message})
+
+    def on_finished(self, worker: WorkerHandle) -> None:
+        """A worker of this node ended with exit code 0."""
+        self._tell_leader({"t": protocol.WORKER_EXITED, "uid": worker.uid, "code": 0})
+
+    def on_faults(self, faults: list[tuple[WorkerHandle, WorkerFailure]]) -> bool:
+        """Workers of this node failed: the leader decides; this node carries on meanwhile."""
+        for worker, failure in faults:
+            self._tell_leader({"t": protocol.WORKER_EXITED, "uid": worker.uid, "code": failure.exitcode,
+                               "failure": asdict(failure)})
+        return True
+
+    def tick(self, now: float) -> str | None:
+        """Hangs of this node's workers, the lease, and a stop asked by the leader: the reason to stop, or None."""
+        if self.control.stopping():
+            return None
+        self.watchdog.kill_due()
+        self.watchdog.check([w.uid for w in self.local.live()])
+        fence = self.lease.fence_reason(now)
+        if fence is not None:
+            self.control.stop_all(signal.SIGKILL)  # at once: a fenced node must not commit one more step
+            self.log.write(events.FENCED, reason=fence)
+        return self.stop_reason or fence
+
+    def close(self, reason: str | None) -> None:
+        """Nothing to tell anyone: the leader learns of this node's end from its workers' exits and its lease."""
+
+    # ------------------------------------------------------------ effects
+    def _follow_plans(self, data: str) -> None:
+        """Control messages the leader sends to a worker of this node: a plan starts a recovery."""
+        for line in data.splitlines():
+            message = json.loads(line)
+            if message.get("t") == protocol.PLAN and message["gen"] > self.plan.gen:
+                self.plan = protocol.Plan.from_message(message)
+                self.recovery_gen = self.plan.gen
+
+    def _tell_leader(self, message: dict[str, Any]) -> None:
+        """Post one message to the leader's mailbox; dropped if the store cannot be reached (within the
+        agent's store timeout): a node cut off that long is evicted by the leader and fences itself."""
+        try:
+            self.store.post(keys.LEADER_BOX, message)
+        except RuntimeError:
+            pass

@@ -1,0 +1,133 @@
+"""The leader's side of the other nodes: their workers' news, their leases, their loss.
+
+Every follower relays its workers' starts, control messages and exits to the leader's mailbox; the leader
+reaches a follower's workers through that node's mailbox. A node whose lease ran out, or whose agent the
+hostfile launcher saw end, is lost: all its ranks are one fault.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Any
+
+from ftrun import events, protocol
+from ftrun.agent.failures import WorkerFailure
+from ftrun.agent.ports import Coordination, EventSink, Notices, WorkerControl, WorkerHandle
+from ftrun.agent.workers import WorkerSlot
+from ftrun.protocol import UID_STRIDE
+from ftrun.store import keys
+from ftrun.store.job import JobStore
+from ftrun.store.leases import NodeLeases
+
+
+def node_of(uid: int) -> int:
+    """The node rank that started worker ``uid``."""
+    return uid // UID_STRIDE
+
+
+class RemoteWorker:
+    """The leader's handle on a worker of another node: what the leader's coordination needs of a worker."""
+
+    def __init__(self, store: JobStore, slot: WorkerSlot, pid: int) -> None:
+        self.store = store
+        self.slot = slot
+        self.pid = pid
+        self.exitcode: int | None = None
+
+    @property
+    def uid(self) -> int:
+        """The worker's id in generation plans."""
+        return self.slot.uid
+
+    def send(self, data: bytes) -> None:
+        """Relay control messages to the worker through its agent."""
+        self._tell_agent({"t": protocol.RELAY, "data": data.decode()})
+
+    def send_signal(self, sig: int) -> None:
+        """Ask the worker's agent to signal it."""
+        if self.exitcode is None:
+            self._tell_agent({"t": protocol.SIGNAL, "sig": int(sig)})
+
+    def _tell_agent(self, message: dict[str, Any]) -> None:
+        self.store.post(keys.node_box(node_of(self.uid)), {**message, "uid": self.uid})
+
+
+class RemoteNodes:
+    """The other nodes as the leader sees them: feeds their workers' news to the leader's coordination."""
+
+    def __init__(self, store: JobStore, leases: NodeLeases, nnodes: int, attempt: int, log: EventSink,
+                 notices: Notices, control: WorkerControl, coordination: Coordination) -> None:
+        self.store = store
+        self.leases = leases
+        self.nnodes = nnodes
+        self.attempt = attempt
+        self.log = log
+        self.notices = notices
+        self.control = control
+        self.coordination = coordination
+        self.remote: dict[int, RemoteWorker] = {}  # the other nodes' workers, by uid
+
+    def live(self) -> list[RemoteWorker]:
+        """The other nodes' workers that have not ended."""
+        return [w for w in self.remote.values() if w.exitcode is None]
+
+    def tick(self, now: float) -> None:
+        """Nodes whose lease ran out are lost."""
+        for node, ago in self.leases.expired(now):
+            self.node_lost(node, f"its lease expired (no renewal for {self.leases.timeout:g} s)", time.time() - ago)
+
+    def on_mail(self, message: dict[str, Any]) -> None:
+        """A follower's news of its workers (or the hostfile launcher's news of a follower's end)."""
+        kind, uid = message["t"], message.get("uid")
+        if kind == protocol.NODE_GONE:
+            if message["node"] in self.leases.seen:
+                self.node_lost(message["node"], message["reason"], message["since"])
+            return
+        if kind == protocol.WORKER_STARTED:
+            slot = WorkerSlot(uid=uid, worker_id=f"{node_of(uid)}:{uid}", local_rank=message["local_rank"],
+                              rank=message["rank"], joiner=message["joiner"])
+            self.remote[uid] = RemoteWorker(self.store, slot, message["pid"])
+            self.log.write(events.WORKER_START, uid=uid, rank=slot.rank, local_rank=slot.local_rank,
+                           pid=message["pid"], joiner=slot.joiner, attempt=self.attempt, node=node_of(uid))
+            return
+        worker = self.remote.get(uid)
+        if worker is None or worker.exitcode is not None:
+            return  # a worker of a node already declared lost
+        if kind == protocol.WORKER_MESSAGE:
+            self.coordination.on_message(worker, message["msg"])
+        elif kind == protocol.WORKER_EXITED:
+            worker.exitcode = message["code"]
+            self.log.write(events.WORKER_EXIT, uid=uid, rank=worker.slot.rank, pid=worker.pid,
+                           exitcode=worker.exitcode, node=node_of(uid))
+            if worker.exitcode == 0:
+                self.coordination.on_finished(worker)
+            elif not self.control.stopping():
+                self.control.workers_failed([(worker, WorkerFailure(**message["failure"]))])
+
+    def node_lost(self, node: int, why: str, since: float) -> None:
+        """Declare ``node`` lost (gone since ``since``, wall clock): its workers are one fault."""
+        self.leases.forget(node)
+        lost = [w for w in self.live() if node_of(w.uid) == node]
+        if not lost:
+            return  # its workers had all ended: it was done, not lost
+        self.log.write(events.NODE_LOST, node=node, reason=why, ranks=[w.slot.rank for w in lost])
+        self.notices.notice(f"ftrun: node {node} lost: {why}", style="bold yellow")
+        faults: list[tuple[WorkerHandle, WorkerFailure]] = []
+        for worker in lost:
+            worker.exitcode = -signal.SIGKILL
+            faults.append((worker, WorkerFailure(worker.slot.rank, worker.slot.local_rank, worker.pid,
+                                                 -signal.SIGKILL, since, f"node {node} lost: {why}", "")))
+        if not self.control.stopping():
+            self.control.workers_failed(faults)
+
+    def start_replacement(self, worker: WorkerHandle) -> None:
+        """Ask ``worker``'s node to start a joiner in its place."""
+        self.store.post(keys.node_box(node_of(worker.uid)), {"t": protocol.START_WORKER, "uid": worker.uid,
+                                                             "local_rank": worker.slot.local_rank,
+                                                             "rank": worker.slot.rank})
+
+    def stop(self, reason: str) -> None:
+        """The leader gives up: every other node stops its workers too."""
+        for node in range(1, self.nnodes):
+            self.store.post(keys.node_box(node), {"t": protocol.STOP, "reason": f"the leader stopped: {reason}"})

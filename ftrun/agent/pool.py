@@ -1,0 +1,158 @@
+"""This node's workers of one attempt: starting them with their environment, their pipes, channels and exits."""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+from pathlib import Path
+from typing import Any
+
+from ftrun import events
+from ftrun.agent.env import worker_env
+from ftrun.agent.output import WorkerOutput, render_prefix
+from ftrun.agent.ports import EventSink
+from ftrun.agent.workers import Worker, WorkerSlot, spawn_worker
+from ftrun.config import LaunchConfig
+from ftrun.console import STDERR, STDOUT, Console
+from ftrun.protocol import UID_STRIDE
+
+OUTPUT, CHANNEL, EXIT = "output", "channel", "exit"
+"""The tags of a worker's registrations in the agent's selector: ``(tag, (uid, stream))`` / ``(tag, uid)``."""
+
+
+class WorkerPool:
+    """Starts this node's workers and owns their processes, output, control channels and selector entries.
+
+    Worker uids of node ``n`` are numbered from ``n * UID_STRIDE`` in each attempt, in start order.
+    """
+
+    def __init__(self, config: LaunchConfig, selector: selectors.BaseSelector, console: Console, events: EventSink,
+                 run_dir: Path) -> None:
+        self.config = config
+        self.selector = selector
+        self.console = console
+        self.events = events
+        self.run_dir = run_dir
+        self.workers: dict[int, Worker] = {}
+        self.outputs: dict[int, WorkerOutput] = {}
+        self.attempt = 0
+        self.sizes = config.sizes
+        self.first_uid = config.node_rank * UID_STRIDE
+        self.next_uid = self.first_uid
+
+    # ------------------------------------------------------------ the ports' side
+    def get(self, uid: int) -> Worker | None:
+        """This node's worker ``uid`` of the current attempt (ended or not), or None."""
+        return self.workers.get(uid)
+
+    def all(self) -> list[Worker]:
+        """This node's workers of the current attempt, ended ones included, in start order."""
+        return list(self.workers.values())
+
+    def live(self) -> list[Worker]:
+        """This node's workers that have not ended."""
+        return [w for w in self.workers.values() if w.exitcode is None]
+
+    # ------------------------------------------------------------ attempts
+    def new_attempt(self, attempt: int, sizes: tuple[int, ...]) -> None:
+        """Forget the workers of the previous attempt (all closed); ``sizes``: training workers per node."""
+        self.workers.clear()
+        self.attempt = attempt
+        self.sizes = sizes
+        self.next_uid = self.first_uid
+
+    def start(self, local_rank: int, rank: int | None, respawn_of: WorkerSlot | None = None) -> Worker:
+        """Start one worker on ``local_rank``; ``rank`` None makes it a joiner (a spare, or a replacement)."""
+        config = self.config
+        uid = self.next_uid
+        self.next_uid += 1
+        joiner = rank is None
+        shown_rank = respawn_of.rank if respawn_of else (uid if joiner else rank)
+        slot = WorkerSlot(uid=uid, worker_id=f"{config.node_rank}:{uid}", local_rank=local_rank, rank=shown_rank,
+                          joiner=joiner)
+        first = uid - self.first_uid == local_rank
+        attempt_dir = self.run_dir / f"attempt_{self.attempt}" / (str(local_rank) if first
+                                                                  else f"{local_rank}.{uid - self.first_uid}")
+        env = worker_env(config, rank=shown_rank, local_rank=local_rank, uid=uid, restart_count=self.attempt,
+                         store_port=config.store.port, run_dir=str(self.run_dir), joiner=joiner,
+                         node_sizes=self.sizes)
+        worker = spawn_worker(slot, config.command, env, attempt_dir / "error.json")
+        prefix = render_prefix(config.log_line_prefix_template, config.role, shown_rank, local_rank, config.node_name)
+        if joiner and respawn_of is None:
+            prefix = f"[spare{uid}]:"
+        console_mask = 0 if (config.local_ranks_filter is not None and local_rank not in config.local_ranks_filter) else 3
+        console_mask &= ~config.redirects.get(local_rank, 0)
+        self.workers[uid] = worker
+        self.outputs[uid] = WorkerOutput(self.console, prefix, shown_rank, console_mask,
+                                         attempt_dir if config.log_dir else None)
+        for stream, pipe in ((STDOUT, worker.proc.stdout), (STDERR, worker.proc.stderr)):
+            os.set_blocking(pipe.fileno(), False)
+            self.selector.register(pipe, selectors.EVENT_READ, (OUTPUT, (uid, stream)))
+        self.selector.register(worker.pidfd, selectors.EVENT_READ, (EXIT, uid))
+        self.selector.register(worker.channel, selectors.EVENT_READ, (CHANNEL, uid))
+        self.events.write(events.WORKER_START, uid=uid, rank=shown_rank, local_rank=local_rank, pid=worker.pid,
+                          joiner=joiner, attempt=self.attempt, node=config.node_rank)
+        return worker
+
+    # ------------------------------------------------------------ what the selector reports
+    def read_output(self, pipe: Any, uid: int, stream: int) -> bool:
+        """Move one chunk of a worker's pipe to its output; False when nothing more is ready, or at EOF."""
+        if pipe not in self.selector.get_map():  # drained to EOF by reap() earlier in the same select batch
+            return False
+        try:
+            data = os.read(pipe.fileno(), 65536)
+        except BlockingIOError:
+            return False
+        self.outputs[uid].feed(stream, data)
+        if not data:
+            self.selector.unregister(pipe)
+        return bool(data)
+
+    def read_channel(self, uid: int) -> list[dict[str, Any]]:
+        """The control messages a worker sent (complete lines); a closed channel is unregistered."""
+        worker = self.workers[uid]
+        try:
+            data = worker.channel.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return []
+        except OSError:
+            data = b""
+        if not data:
+            self.selector.unregister(worker.channel)
+            return []
+        return [json.loads(line) for line in worker.channel_lines.feed(data) if line]
+
+    def reap(self, uid: int) -> int:
+        """A worker's pidfd said it ended: collect its exit code, read what it left in its pipes, record it."""
+        worker = self.workers[uid]
+        self.selector.unregister(worker.pidfd)
+        code = worker.reap()
+        self._drain(uid)
+        self.events.write(events.WORKER_EXIT, uid=uid, rank=worker.slot.rank, pid=worker.pid, exitcode=code,
+                          node=self.config.node_rank)
+        return code
+
+    def stderr_tail(self, uid: int) -> list[str]:
+        """The last lines worker ``uid`` wrote to stderr."""
+        return list(self.outputs[uid].stderr_tail)
+
+    def close_all(self) -> None:
+        """After the attempt: read what every worker left, close its output and release its descriptors."""
+        for uid, worker in list(self.workers.items()):
+            self._drain(uid)
+            self.outputs.pop(uid).close()
+            for obj in (worker.proc.stdout, worker.proc.stderr, worker.pidfd, worker.channel):
+                try:
+                    self.selector.unregister(obj)
+                except (KeyError, ValueError):
+                    pass
+            worker.close()
+
+    def _drain(self, uid: int) -> None:
+        """Read what an ended worker left in its pipes, so its last words reach the log and the report."""
+        worker = self.workers[uid]
+        for stream, pipe in ((STDOUT, worker.proc.stdout), (STDERR, worker.proc.stderr)):
+            while self.read_output(pipe, uid, stream):
+                pass
+

@@ -1,0 +1,161 @@
+"""The narrow interfaces the agent's helpers depend on, instead of on the agent itself.
+
+Each helper (the leader's and a follower's coordination, the hang watchdog, GPU health, drills, the status
+record) is given the few of these it needs; the agent (and a test's stand-in) provides them. Nothing here
+imports the agent, so no helper does either.
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from collections import deque
+
+    from ftrun.agent.failures import WorkerFailure
+    from ftrun.agent.workers import Worker, WorkerSlot
+    from ftrun.events import EventKind
+    from ftrun.protocol import Plan
+
+
+class EventSink(Protocol):
+    """The run's event log."""
+
+    def write(self, kind: EventKind, /, **fields: Any) -> dict[str, Any]:
+        """Record one event; returns the record."""
+
+
+class Notices(Protocol):
+    """ftrun's own lines on the console."""
+
+    def notice(self, text: str, style: str = "bold") -> None:
+        """Print one line for the person watching."""
+
+
+class WorkerHandle(Protocol):
+    """A worker the coordination addresses: this node's own process, or another node's through its agent."""
+
+    slot: WorkerSlot
+    pid: int
+    exitcode: int | None
+
+    @property
+    def uid(self) -> int:
+        """The worker's id in generation plans."""
+
+    def send(self, data: bytes) -> None:
+        """Write control messages (JSON lines) to the worker."""
+
+    def send_signal(self, sig: int) -> None:
+        """Signal the worker (a finished one is left alone)."""
+
+
+class LocalWorkers(Protocol):
+    """This node's workers of the current attempt."""
+
+    def get(self, uid: int) -> Worker | None:
+        """Worker ``uid`` (ended or not), or None when it is not this node's."""
+
+    def all(self) -> list[Worker]:
+        """Every worker of the attempt, ended ones included."""
+
+    def live(self) -> list[Worker]:
+        """The workers that have not ended."""
+
+
+class WorkerControl(Protocol):
+    """What coordination may do to this node's workers and to the attempt."""
+
+    def start_worker(self, local_rank: int, rank: int | None, respawn_of: WorkerSlot | None = None) -> Worker:
+        """Start a worker on ``local_rank``; ``rank`` None makes it a joiner."""
+
+    def stop_all(self, sig: int = signal.SIGTERM) -> None:
+        """Signal every live worker of the job, and escalate to SIGKILL after --shutdown-timeout."""
+
+    def stopping(self) -> bool:
+        """Whether the attempt is being stopped (no fault is recovered from any more)."""
+
+    def workers_failed(self, faults: list[tuple[WorkerHandle, WorkerFailure]]) -> None:
+        """Workers failed together: recover in place if the coordination can, else end the attempt."""
+
+
+class GpuUse(Protocol):
+    """What recovery needs to know of GPU health on this node."""
+
+    restarts: set[int]
+    """Uids killed by a GPU health restart: each gets a replacement on the same GPU."""
+
+    def usable(self, local_rank: int) -> bool:
+        """Whether a worker may run on ``local_rank`` (its GPU is not evicted)."""
+
+
+class Progress(Protocol):
+    """What the hang watchdog knows of one worker's progress."""
+
+    last: float
+    """Monotonic time of its last progress message."""
+    step_times: deque[float]
+    """Its recent step times, seconds."""
+
+
+class HangView(Protocol):
+    """What the status record reads of a hang watchdog."""
+
+    progress: dict[int, Progress]
+    """Per worker uid that has joined through the API."""
+    killing: dict[int, float]
+    """Workers declared hung, about to be killed (uid -> when)."""
+
+
+class Coordination(Protocol):
+    """The leader's or a follower's part in an attempt: what the agent's loop tells it and asks of it.
+
+    :class:`ftrun.agent.leader.Leader` plans every generation of the job; :class:`ftrun.agent.follower.Follower`
+    relays its node's news to the leader and carries out the leader's word.
+    """
+
+    plan: Plan
+    """The current generation, as this node knows it."""
+    last_step: dict[int, int]
+    """The last step each worker (uid) committed, as far as this node knows."""
+    watchdog: HangView
+    """The hang watchdog of this node's workers."""
+
+    @property
+    def recovering(self) -> bool:
+        """Whether an in-place recovery is under way."""
+
+    @property
+    def restarting(self) -> bool:
+        """Whether the group is about to restart (its live workers are saving their state)."""
+
+    def adopted(self, uid: int) -> bool:
+        """Whether worker ``uid`` joined through the worker API."""
+
+    def remote_workers(self) -> list[WorkerHandle]:
+        """The other nodes' live workers this coordination answers for (the leader's), else none."""
+
+    def on_start(self, worker: Worker) -> None:
+        """This node started ``worker``."""
+
+    def on_message(self, worker: Worker, message: dict[str, Any]) -> None:
+        """A control message from one of this node's workers."""
+
+    def on_finished(self, worker: Worker) -> None:
+        """One of this node's workers ended with exit code 0."""
+
+    def on_faults(self, faults: list[tuple[WorkerHandle, WorkerFailure]]) -> bool:
+        """Workers failed together; False when the attempt must end (no recovery in place)."""
+
+    def on_mail(self, message: dict[str, Any]) -> None:
+        """A message posted to this node's mailbox by another node or the hostfile launcher."""
+
+    def tick(self, now: float) -> str | None:
+        """Housekeeping at monotonic ``now``: the reason to end the attempt, or None."""
+
+    def succeeded(self) -> bool:
+        """Whether this node's part of the attempt succeeded, once every worker has ended."""
+
+    def close(self, reason: str | None) -> None:
+        """The attempt is over (``reason``: why it failed, None if it succeeded)."""

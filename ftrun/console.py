@@ -1,0 +1,36 @@
+"""ftrun's console: worker lines with their prefixes, and ftrun's own notices; rich colours on a terminal."""
+
+from __future__ import annotations
+
+import sys
+
+from rich.console import Console as RichConsole
+from rich.text import Text
+
+STDOUT, STDERR = 1, 2
+"""The two streams, as torchrun's --redirects / --tee masks number them."""
+
+
+class Console:
+    """The two console streams of a launcher or agent; rich colours on a terminal, plain text otherwise."""
+
+    def __init__(self) -> None:
+        self.out = RichConsole(file=sys.stdout, highlight=False, soft_wrap=True)
+        self.err = RichConsole(file=sys.stderr, highlight=False, soft_wrap=True)
+
+    def line(self, stream: int, prefix: str, colour: str, text: str) -> None:
+        """Print one worker line with its prefix."""
+        console = self.out if stream == STDOUT else self.err
+        if console.is_terminal:
+            console.print(Text(prefix, style=colour) + Text(" " + text))
+        else:
+            console.file.write(f"{prefix} {text}\n")
+            console.file.flush()
+
+    def notice(self, text: str, style: str = "bold") -> None:
+        """Print one line of ftrun's own on stderr (bold when a terminal)."""
+        if self.err.is_terminal:
+            self.err.print(Text(text, style=style))
+        else:
+            self.err.file.write(text + "\n")
+            self.err.file.flush()

@@ -1,0 +1,249 @@
+"""`ftrun inject`: fault drills against a running job, delivered to the agent that owns the target rank.
+
+The job is found in this machine's run registry (or by ``--run-id`` / ``--endpoint``); the node running a
+rank is found by pinging each node's agent through the store; the drill is posted to that agent's mailbox
+as ``{"cmd": "inject", ...}`` and carried out there (see ``ftrun.agent.drills``). Chaos is a series of
+drills on random live ranks, each awaited through its recovery in the run's event log.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ftrun import events, protocol, registry
+from ftrun.errors import UsageError
+from ftrun.lines import LineBuffer
+from ftrun.protocol import DRILL_KINDS
+from ftrun.store import keys
+from ftrun.store.client import connect
+from ftrun.store.job import JobStore, MalformedValue
+
+CHAOS_KINDS = ("kill", "hang", "exception", "xid", "ecc")
+"""Drills chaos may pick: the ones that lose a worker."""
+JOB_KEY_WAIT = 5.0
+"""Seconds to wait for a store's ``ftrun/job`` key before calling it not an ftrun job's."""
+CHAOS_XID = 13
+"""The Xid chaos injects: "graphics engine exception", which the policy answers by restarting the rank."""
+
+
+# ------------------------------------------------------------------------------------- the drill
+def drill_message(kind: str, value: str | None, rank: int | None, duration: float | None) -> dict[str, Any]:
+    """The ``inject`` command for ``ftrun inject KIND [VALUE] --rank R [--for S]``; UsageError if malformed."""
+    if kind not in DRILL_KINDS:
+        raise UsageError(f"unknown drill {kind!r}: choose from {', '.join(DRILL_KINDS)} or chaos")
+    if rank is None:
+        raise UsageError(f"inject {kind} needs --rank R, the rank to act on")
+    message: dict[str, Any] = {"cmd": protocol.INJECT, "kind": kind, "rank": rank}
+    if kind == "xid":
+        message["value"] = _number(value, int, "xid CODE", "an Xid code, e.g. 79")
+    elif kind == "ecc":
+        message["value"] = 1 if value is None else _number(value, int, "ecc COUNT", "a count of errors")
+    elif kind == "slow":
+        message["seconds"] = _number(value, float, "slow SECONDS", "seconds added to each step, 0 clears")
+        if not 0 <= message["seconds"] < math.inf:
+            raise UsageError("slow SECONDS must be a number of seconds, 0 or more")
+        if duration is not None and not 0 < duration < math.inf:
+            raise UsageError("--for SECONDS must be a number of seconds, more than 0")
+        message["duration"] = duration
+    elif value is not None:
+        raise UsageError(f"inject {kind} takes no value (got {value!r})")
+    if duration is not None and kind != "slow":
+        raise UsageError("--for only applies to slow")
+    return message
+
+
+def _number(text: str | None, kind: type, usage: str, what: str) -> Any:
+    try:
+        return kind(text)
+    except (TypeError, ValueError):
+        raise UsageError(f"{usage}: expected {what}, got {text!r}") from None
+
+
+# ------------------------------------------------------------------------------------- the job
+def job_endpoint(run_id: str | None, endpoint: str | None) -> str:
+    """HOST:PORT of the job to drill: --endpoint, else --run-id or the only job running here (registry)."""
+    if endpoint:
+        return endpoint
+    jobs = registry.find(run_id) if run_id else registry.running()
+    if not jobs:
+        where = f"with run id {run_id!r}" if run_id else "on this machine"
+        raise UsageError(f"no running ftrun job found {where} (pass --endpoint HOST:PORT for a job elsewhere)")
+    if len(jobs) > 1:
+        ids = ", ".join(job.run_id for job in jobs)
+        raise UsageError(f"{len(jobs)} ftrun jobs are running ({ids}): choose one with --run-id")
+    return jobs[0].endpoint
+
+
+@dataclass
+class Job:
+    """A connection to a running job's store, and what ``ftrun/job`` says about it."""
+
+    store: JobStore
+    info: dict[str, Any]
+
+    @classmethod
+    def connect(cls, endpoint: str) -> Job:
+        """Connect to the job at HOST:PORT; UsageError when it is not an ftrun job."""
+        store = JobStore(connect(endpoint))
+        try:  # a job that has just started writes it right after its workers
+            info = store.read_job(JOB_KEY_WAIT)
+        except MalformedValue as exc:
+            raise UsageError(f"the store at {endpoint} holds an unreadable {keys.JOB} ({exc})") from None
+        if info is None:
+            raise UsageError(f"the store at {endpoint} is not an ftrun job's (no {keys.JOB})")
+        return cls(store, info)
+
+    def ranks(self) -> dict[int, int]:
+        """The job's live ranks and the node running each, from a ping of every node's agent."""
+        where = {}
+        for node in range(int(self.info["nnodes"])):
+            answer = self.store.request(keys.node_box(node), {"cmd": protocol.PING})
+            where.update({int(rank): node for rank in answer.get("ranks", {})})
+        return where
+
+    def inject(self, message: dict[str, Any], ranks: dict[int, int] | None = None) -> dict[str, Any]:
+        """Deliver an ``inject`` command to the agent running its rank; its answer, or UsageError."""
+        ranks = self.ranks() if ranks is None else ranks
+        if message["rank"] not in ranks:
+            known = ", ".join(str(r) for r in sorted(ranks)) or "none"
+            raise UsageError(f"no live rank {message['rank']} in job {self.info['run_id']} (its ranks: {known})")
+        answer = self.store.request(keys.node_box(ranks[message["rank"]]), message)
+        if not answer.get("ok"):
+            raise UsageError(answer.get("error", "the agent refused the drill"))
+        return answer
+
+    @property
+    def events_path(self) -> Path:
+        """The run's event log (readable on the node that launched it)."""
+        return Path(self.info["run_dir"]) / "events.jsonl"
+
+
+# ------------------------------------------------------------------------------------- chaos
+@dataclass
+class ChaosSchedule:
+    """Random faults: exponential gaps of mean ``mtbf`` seconds, a kind and a rank drawn each time (seeded)."""
+
+    mtbf: float
+    kinds: tuple[str, ...]
+    seed: int | None = None
+    rng: random.Random = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+
+    def next(self, ranks: Iterable[int]) -> tuple[float, str, int]:
+        """(seconds of uptime before the fault, its kind, its rank among ``ranks``)."""
+        return self.rng.expovariate(1.0 / self.mtbf), self.rng.choice(self.kinds), self.rng.choice(sorted(ranks))
+
+
+def parse_kinds(text: str) -> tuple[str, ...]:
+    """``kill,hang,xid`` -> the chaos kinds; UsageError for an unknown or empty one."""
+    kinds = tuple(k.strip() for k in text.split(",") if k.strip())
+    unknown = [k for k in kinds if k not in CHAOS_KINDS]
+    if unknown or not kinds:
+        raise UsageError(f"--kinds {text!r}: choose among {', '.join(CHAOS_KINDS)}")
+    return kinds
+
+
+def chaos_message(kind: str, rank: int) -> dict[str, Any]:
+    """The ``inject`` command chaos sends for a fault of ``kind``."""
+    return drill_message(kind, str(CHAOS_XID) if kind == "xid" else None, rank, None)
+
+
+class EventFollower:
+    """Reads the events appended to a run's events.jsonl since the last call."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.lines = LineBuffer()
+
+    def new(self) -> list[dict[str, Any]]:
+        """Events written since the last call (a line still being written waits for the next call)."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+                self.offset = f.tell()
+        except FileNotFoundError:
+            return []
+        return [json.loads(line) for line in self.lines.feed(data) if line.strip()]
+
+
+def await_settled(follower: EventFollower, uid: int, poll: float = 0.1) -> dict[str, Any]:
+    """The event that settles the loss of worker ``uid``: its ``recovery`` (once every worker started since,
+    a respawned one, has joined or ended), a ``recovery_failed``, or the ``end`` of the run."""
+    recovery = None
+    joining: set[int] = set()
+    while True:
+        for event in follower.new():
+            kind = event["event"]
+            if kind == events.WORKER_START.name and event.get("joiner"):
+                joining.add(event["uid"])
+            elif kind in (events.WORKER_EXIT.name, events.JOINER_LOST.name):
+                joining.discard(event["uid"])
+            elif kind == events.RECOVERY.name:
+                joining -= set(event.get("joiners", []))
+                if uid in event.get("lost_uids", []):
+                    recovery = event
+            elif kind in (events.RECOVERY_FAILED.name, events.END.name):
+                return event
+        if recovery is not None and not joining:
+            return recovery
+        time.sleep(poll)  # polling a file another process appends to
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def run_chaos(job: Job, mtbf: float, duration: float, kinds: tuple[str, ...], seed: int | None,
+              say: Callable[[str], None] = _say) -> int:
+    """Inject faults until ``duration`` seconds have passed; 0 when every one was recovered in place.
+
+    MTBF is uptime: each gap is drawn from an exponential of mean ``mtbf`` and runs from the end of the
+    previous recovery (and the return of a respawned worker), so a fault never lands in the middle of
+    the previous one's recovery. The last live rank is never taken: chaos stops there.
+    """
+    if mtbf <= 0 or duration <= 0:
+        raise UsageError("--mtbf and --duration must be more than 0 seconds")
+    follower = EventFollower(job.events_path)
+    if not job.events_path.exists():
+        raise UsageError(f"chaos follows the run's event log, {job.events_path}: run it on the job's first node")
+    follower.new()  # only what happens from now on
+    schedule = ChaosSchedule(mtbf, kinds, seed)
+    start = time.monotonic()
+    say(f"chaos: MTBF {mtbf:g} s for {duration:g} s, kinds {','.join(kinds)}, seed {seed}")
+    injected = faults = recovered = 0
+    while True:
+        ranks = job.ranks()
+        if len(ranks) < 2:
+            say("chaos: one live rank left, which an in-place recovery needs; stopping")
+            break
+        gap, kind, rank = schedule.next(ranks)
+        if time.monotonic() + gap - start > duration:
+            break
+        time.sleep(gap)  # the drawn uptime before the next fault
+        answer = job.inject(chaos_message(kind, rank), ranks)
+        injected += 1
+        say(f"chaos +{time.monotonic() - start:.2f} s: {kind} -> {answer['message']}")
+        if not answer["fault"]:
+            continue
+        faults += 1
+        settled = await_settled(follower, answer["uid"])
+        if settled["event"] != events.RECOVERY.name:
+            say(f"chaos +{time.monotonic() - start:.2f} s: not recovered in place ({settled['event']}: "
+                f"{settled.get('reason') or settled.get('outcome')}); stopping")
+            break
+        recovered += 1
+        say(f"chaos +{time.monotonic() - start:.2f} s: recovered in {settled['latency']:.2f} s (world "
+            f"{settled['world_before']} -> {settled['world_after']}, {settled['steps_lost']} steps lost)")
+    say(f"chaos: {injected} drills injected, {faults} faults, {recovered} recovered in place")
+    return 0 if recovered == faults else 1

@@ -1,0 +1,42 @@
+"""Start a launch: this node's agent, or (with --hostfile / -H) one agent per host."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from ftrun.agent.agent import Agent
+from ftrun.config import Endpoint, LaunchConfig
+from ftrun.console import Console
+from ftrun.launcher import handoff
+from ftrun.store.host import StoreHost
+
+
+def launch(config: LaunchConfig) -> int:
+    """Run the job described by ``config`` and return the exit code for the shell."""
+    console = Console()
+    if config.hosts is not None:
+        from ftrun.launcher.multihost import HostLauncher
+
+        return HostLauncher(config, console).run()
+    store_host = None
+    if config.host_store:
+        store_host = StoreHost(config.store)
+        config = dataclasses.replace(config, store=Endpoint(config.store.host, store_host.port))
+    if config.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
+        console.notice(
+            "ftrun: setting OMP_NUM_THREADS=1 for each worker to avoid overloading the machine; "
+            "set it yourself to tune performance", style="yellow")
+    return Agent(config, store_host, console).run()
+
+
+def launch_handed_off() -> int:
+    """Run one host's agent of a --hostfile launch, from the hand-off in its environment."""
+    line = os.environ.pop(handoff.VARIABLE, None)
+    if line is None:
+        from ftrun.errors import UsageError
+
+        raise UsageError(f"no {handoff.VARIABLE} in the environment: this command is started by "
+                         "`ftrun --hostfile`, not by hand")
+    config = handoff.decode(line)
+    return Agent(config, None, Console()).run()

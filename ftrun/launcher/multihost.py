@@ -1,0 +1,210 @@
+"""`ftrun --hostfile FILE script.py`: host the store here and start one agent per host.
+
+Each host's agent is ``python -m ftrun _agent``, given its part of the job as a hand-off
+(:mod:`ftrun.launcher.handoff`), started directly on this machine or over ssh elsewhere. Their output comes
+back through pipes and is passed on line by line (each line already carries its host and rank). When an agent other than node
+0's ends badly, the leader is told at once, without waiting for the node's lease to expire. On Ctrl-C or
+when node 0's agent ends, every agent is stopped; no process outlives the launch on any host.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from ftrun import protocol, registry
+from ftrun.config import Endpoint, LaunchConfig
+from ftrun.console import Console
+from ftrun.errors import EXIT_SIGNAL_BASE, EXIT_WORKERS_FAILED, UsageError
+from ftrun.launcher import handoff, ssh
+from ftrun.launcher.hosts import Host, is_local
+from ftrun.lines import LineBuffer
+from ftrun.processes import SignalWake, die_with_parent, signal_name
+from ftrun.store import keys
+from ftrun.store.host import StoreHost
+from ftrun.store.job import JobStore
+
+
+@dataclass
+class AgentProcess:
+    """One host's agent, as seen from the launcher."""
+
+    node: int
+    host: Host
+    local: bool
+    proc: subprocess.Popen
+    stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=20))
+    lines: dict[int, LineBuffer] = field(default_factory=dict)  # per pipe still open
+    exitcode: int | None = None
+    ended_at: float = 0.0  # wall clock, when the launcher saw it end
+
+
+class HostLauncher:
+    """Runs a multi-host job from this machine: the store, one agent per host, their output, their end."""
+
+    def __init__(self, config: LaunchConfig, console: Console) -> None:
+        self.config = config
+        self.console = console
+        self.hosts = config.hosts or []
+        self.run_name = f"{config.run_id}_{uuid.uuid4().hex[:8]}"
+        self.run_dir = (config.log_dir or registry.default_runs_root()) / self.run_name
+        self.selector = selectors.DefaultSelector()
+        self.agents: list[AgentProcess] = []
+        self.store: JobStore | None = None
+
+    def run(self) -> int:
+        """Launch, relay output until node 0's agent ends, stop the rest; node 0's exit code."""
+        self._probe()
+        store_host = StoreHost(self.config.store)
+        store = Endpoint(self.config.master_addr, store_host.port)
+        for node, host in enumerate(self.hosts):
+            self._start_agent(node, host, store)
+        entry = registry.register(registry.new_entry(self.run_name, self.config.run_id, self.config.master_addr,
+                                                     store_host.port, self.run_dir))
+        try:
+            with SignalWake((signal.SIGINT, signal.SIGTERM, signal.SIGHUP)) as wake:
+                self.selector.register(wake.fd, selectors.EVENT_READ, None)
+                self.store = JobStore(store_host.start())
+                return self._relay(wake)
+        finally:
+            registry.unregister(entry)
+
+    def _probe(self) -> None:
+        """Fail fast, naming the host and ssh's own words, when a remote host cannot be reached."""
+        remote_hosts = [h.name for h in self.hosts if not is_local(h.name)]
+        with ThreadPoolExecutor(max_workers=max(1, min(16, len(remote_hosts)))) as pool:
+            for error in pool.map(_probe_error, remote_hosts):
+                if error:
+                    raise UsageError(error)
+
+    def _start_agent(self, node: int, host: Host, store: Endpoint) -> None:
+        """Start ``host``'s agent, handing it its part of the job (over ssh: with the forwarded variables)."""
+        config = handoff.agent_config(self.config, node_rank=node, node_name=host.name, store=store,
+                                      run_name=self.run_name)
+        line = handoff.encode(config)
+        argv = [sys.executable, "-m", "ftrun", "_agent"]
+        local = is_local(host.name)
+        if local:
+            proc = subprocess.Popen(argv, env={**os.environ, handoff.VARIABLE: line}, stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                                    preexec_fn=die_with_parent)
+        else:
+            command = ssh.ssh_argv(host.name, argv, os.getcwd(), options=ssh.ssh_options(os.environ))
+            # the remote agent lives as long as ssh's stdin stays open: closing it stops the agent (SIGTERM)
+            proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    start_new_session=True, preexec_fn=die_with_parent)
+            proc.stdin.write(ssh.environment_preamble({**ssh.forwarded_env(os.environ), handoff.VARIABLE: line}))
+            proc.stdin.flush()
+        agent = AgentProcess(node, host, local, proc)
+        self.agents.append(agent)
+        for pipe, out in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
+            os.set_blocking(pipe.fileno(), False)
+            agent.lines[pipe.fileno()] = LineBuffer()
+            self.selector.register(pipe, selectors.EVENT_READ, (agent, out))
+
+    def _relay(self, wake: SignalWake) -> int:
+        stopping: float | None = None
+        interrupted: int | None = None
+        while any(a.exitcode is None for a in self.agents):
+            for key, _ in self.selector.select(0.5):
+                if key.data is None:
+                    interrupted = interrupted or self._signalled(wake)
+                    stopping = stopping or self._stop_agents()
+                else:
+                    self._pass_on(key.fileobj, *key.data)
+            for agent in self.agents:
+                if agent.exitcode is None and agent.proc.poll() is not None and not agent.lines:
+                    agent.exitcode, agent.ended_at = agent.proc.returncode, time.time()
+                    if self._agent_ended(agent):
+                        stopping = stopping or self._stop_agents()
+            if stopping is not None and time.monotonic() > stopping:
+                for agent in self.agents:
+                    if agent.exitcode is None:
+                        agent.proc.kill()
+                stopping = time.monotonic() + 3600
+        if interrupted is not None:
+            return EXIT_SIGNAL_BASE + interrupted
+        leader = self.agents[0].exitcode
+        return leader if leader is not None and leader >= 0 else EXIT_WORKERS_FAILED
+
+    def _pass_on(self, pipe, agent: AgentProcess, out) -> None:
+        """Copy complete lines of an agent's output; keep its last stderr lines for a failure report."""
+        fd = pipe.fileno()
+        try:
+            data = os.read(fd, 65536)
+        except BlockingIOError:
+            return
+        if not data:
+            self.selector.unregister(pipe)
+            rest = agent.lines.pop(fd).rest()
+            data = rest + b"\n" if rest else b""
+        else:
+            data = b"".join(line + b"\n" for line in agent.lines[fd].feed(data))
+        if data:
+            out.write(data)
+            out.flush()
+            if out is sys.stderr.buffer:
+                agent.stderr_tail.extend(data.decode(errors="replace").splitlines())
+
+    def _agent_ended(self, agent: AgentProcess) -> bool:
+        """Record an agent's end; True when the whole job must stop (node 0's agent ended)."""
+        if agent.node == 0:
+            return True
+        if agent.exitcode != 0:
+            why = f"the agent on {agent.host.name} ended: {self._why(agent)}"
+            self.console.notice(f"ftrun: node {agent.node}: {why}", style="bold yellow")
+            self.store.post(keys.LEADER_BOX, {"t": protocol.NODE_GONE, "node": agent.node, "reason": why,
+                                              "since": agent.ended_at})
+        return False
+
+    def _why(self, agent: AgentProcess) -> str:
+        code = agent.exitcode
+        if not agent.local and code == 255:
+            return ssh.describe_ssh_failure(agent.host.name, code, "\n".join(agent.stderr_tail))
+        if code is not None and code < 0:
+            return f"killed by {signal_name(-code)}"
+        last = agent.stderr_tail[-1] if agent.stderr_tail else ""
+        return f"exit code {code}" + (f" ({last.strip()})" if last.strip() else "")
+
+    def _signalled(self, wake: SignalWake) -> int | None:
+        received = wake.received()
+        if received:
+            self.console.notice(f"ftrun: received {signal_name(received[0])}, stopping every agent")
+            return received[0]
+        return None
+
+    def _stop_agents(self) -> float:
+        """SIGTERM every agent still running (over ssh: close ssh's stdin, and the remote side sends it).
+
+        The ssh session of a node the leader declared lost may hang on a dead link until ssh gives up: it
+        is ended at once (that node has fenced itself, or is gone).
+        """
+        for agent in self.agents:
+            if agent.exitcode is not None:
+                continue
+            if agent.local:
+                try:
+                    os.killpg(agent.proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+            elif self.store.is_evicted(agent.node):
+                agent.proc.kill()
+            elif not agent.proc.stdin.closed:
+                agent.proc.stdin.close()
+        return time.monotonic() + self.config.shutdown_timeout + 5
+
+
+def _probe_error(host: str) -> str | None:
+    try:
+        ssh.probe(host, options=ssh.ssh_options(os.environ))
+    except UsageError as error:
+        return str(error)
+    return None

@@ -1,0 +1,63 @@
+"""Child processes and signals: children that never outlive their parent, signals as loop events, exits."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+from collections.abc import Iterable
+from types import TracebackType
+
+_PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def die_with_parent() -> None:
+    """Runs in a child between fork and exec: SIGKILL it if its parent dies, even by SIGKILL."""
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def signal_name(number: int) -> str:
+    """``SIGKILL`` for 9; ``signal 77`` for a number with no name."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+class SignalWake:
+    """While entered, the given signals are caught and written to a pipe an event loop can select on.
+
+    The handlers do nothing themselves: the loop reads :attr:`fd` and acts on the signal numbers it finds
+    (:meth:`received`), so every decision stays on the loop's thread. Leaving restores what was there.
+    """
+
+    def __init__(self, signals: Iterable[int]) -> None:
+        self.signals = set(signals)
+        self.fd = -1
+        self._write_fd = -1
+        self._previous_wakeup = -1
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> SignalWake:
+        self.fd, self._write_fd = os.pipe()
+        os.set_blocking(self.fd, False)
+        os.set_blocking(self._write_fd, False)
+        self._previous_wakeup = signal.set_wakeup_fd(self._write_fd)
+        self._previous = {sig: signal.signal(sig, lambda *_: None) for sig in self.signals}
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        signal.set_wakeup_fd(self._previous_wakeup)
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        os.close(self.fd)
+        os.close(self._write_fd)
+
+    def received(self) -> list[int]:
+        """The signals caught since the last call, oldest first."""
+        try:
+            return list(os.read(self.fd, 64))
+        except BlockingIOError:
+            return []

@@ -1,0 +1,70 @@
+"""The job's store hosted in this process: a TCPStore served on a socket bound before anything starts."""
+
+from __future__ import annotations
+
+import errno
+import socket
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from ftrun.config import Endpoint
+from ftrun.errors import UsageError
+from ftrun.store import keys
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
+
+
+class StoreHost:
+    """Hosts the job's TCPStore on a socket bound at construction.
+
+    Binding first gives a clear error for a busy port before anything starts, and lets workers be spawned
+    (and import torch) while the agent itself is still importing torch: their store clients connect to
+    the already-listening socket and are served once :meth:`start` hands it to TCPStore.
+    """
+
+    def __init__(self, endpoint: Endpoint) -> None:
+        self.host = endpoint.host
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.sock.bind(("", endpoint.port))
+        except OSError as exc:
+            self.sock.close()
+            if exc.errno == errno.EADDRINUSE:
+                raise UsageError(
+                    f"port {endpoint.port} is already in use: pick a free one with --master-port/--rdzv-endpoint, "
+                    "or leave it out and ftrun picks one"
+                ) from None
+            raise UsageError(f"cannot listen on port {endpoint.port}: {exc.strerror}") from None
+        self.sock.listen(1024)
+        self.port: int = self.sock.getsockname()[1]
+        self.store: TCPStore | None = None
+
+    def start(self) -> TCPStore:
+        """Serve the store on the bound socket (imports torch); returns the agent's own handle on it."""
+        from torch.distributed import TCPStore
+
+        self.store = TCPStore(
+            self.host,
+            self.port,
+            is_master=True,
+            master_listen_fd=self.sock.fileno(),
+            wait_for_workers=False,
+            timeout=timedelta(seconds=300),
+            use_libuv=True,
+        )
+        return self.store
+
+    def clear_worker_keys(self) -> None:
+        """Delete what the workers of an ended attempt wrote (process group addresses, barrier counters).
+
+        Call it once they are all gone: the next group's ``init_process_group`` would otherwise read the
+        dead workers' addresses and fail to connect (pytorch#135712). ftrun's own keys are namespaced per
+        attempt, and stay. Without ``list_keys`` (older torch) nothing is done.
+        """
+        if self.store is None or not hasattr(self.store, "list_keys"):
+            return
+        for key in self.store.list_keys():
+            if not key.startswith(keys.OWN_PREFIX):
+                self.store.delete_key(key)

@@ -1,0 +1,95 @@
+"""Every key ftrun reads or writes in a job's store, in one place.
+
+Keys that outlive attempts sit under ``ftrun/``; each attempt's keys under ``ftrun/a<attempt>/`` (so a group
+restart never reads a dead attempt's barrier or plans, pytorch#135712); the process groups of a generation
+under ``ftrun/a<attempt>/g<gen>/`` (a fresh prefix per generation, so no address of a dead group is read).
+
+====================================  =================================================================
+``ftrun/job``                         JSON: run id, nodes, world size, run directory (leader, at start)
+``ftrun/status/job``                  JSON: the job's live status (leader, about once a second)
+``ftrun/status/node/<n>``             JSON: node ``n``'s live status (its agent, same rhythm)
+``ftrun/mail/<box>/n``                counter of the messages posted to mailbox ``<box>``
+``ftrun/mail/<box>/<i>``              message ``i`` (1-based), a JSON object; deleted once read
+``ftrun/reply/<token>``               the answer to a command that carried ``reply_to = token``
+``ftrun/lease/<n>``                   counter node ``n``'s agent increments to renew its lease
+``ftrun/evicted/<n>``                 set by the leader once it declared node ``n`` lost
+``ftrun/a<a>/gen``                    the current generation of attempt ``a``
+``ftrun/a<a>/plan/<g>``               JSON: the plan of generation ``g``
+``ftrun/a<a>/g<g>/arrived/<uid>``     worker ``uid`` reached generation ``g``'s barrier
+``ftrun/a<a>/<group>/...``            a process group's own keys (torch's, under a PrefixStore)
+====================================  =================================================================
+
+This module imports nothing, so the worker runtime uses it as freely as the agent.
+"""
+
+from __future__ import annotations
+
+OWN_PREFIX = "ftrun/"
+"""Every key of ftrun's own starts with this; the rest belong to the workers' process groups."""
+
+JOB = "ftrun/job"
+STATUS_JOB = "ftrun/status/job"
+
+
+def status_node(node_rank: int) -> str:
+    """Node ``node_rank``'s live status record."""
+    return f"ftrun/status/node/{node_rank}"
+
+
+def node_box(node_rank: int) -> str:
+    """The mailbox of node ``node_rank``'s agent (commands, and the leader's word for that node)."""
+    return f"node{node_rank}"
+
+
+LEADER_BOX = node_box(0)
+"""Followers and the hostfile launcher write to node 0's mailbox: node 0's agent is the leader."""
+
+
+def mail_count(box: str) -> str:
+    """The counter of messages posted to ``box``."""
+    return f"ftrun/mail/{box}/n"
+
+
+def mail_item(box: str, index: int) -> str:
+    """Message ``index`` (1-based) of ``box``."""
+    return f"ftrun/mail/{box}/{index}"
+
+
+def reply(token: str) -> str:
+    """The answer to the command that carried ``reply_to = token``."""
+    return f"ftrun/reply/{token}"
+
+
+def lease(node_rank: int) -> str:
+    """The counter node ``node_rank`` increments to renew its lease."""
+    return f"ftrun/lease/{node_rank}"
+
+
+def evicted(node_rank: int) -> str:
+    """Set once the leader declared node ``node_rank`` lost: that node must stop."""
+    return f"ftrun/evicted/{node_rank}"
+
+
+def attempt_prefix(attempt: int) -> str:
+    """The prefix of attempt ``attempt``'s keys (its plans, barriers and process groups)."""
+    return f"ftrun/a{attempt}"
+
+
+def current_gen(attempt: int) -> str:
+    """The current generation of ``attempt``."""
+    return f"{attempt_prefix(attempt)}/gen"
+
+
+def plan(attempt: int, gen: int) -> str:
+    """The plan of generation ``gen`` of ``attempt``."""
+    return f"{attempt_prefix(attempt)}/plan/{gen}"
+
+
+def arrived(attempt: int, gen: int, uid: int) -> str:
+    """Worker ``uid`` reached the barrier of generation ``gen``."""
+    return f"{attempt_prefix(attempt)}/g{gen}/arrived/{uid}"
+
+
+def group_prefix(attempt: int, name: str) -> str:
+    """The PrefixStore prefix of a process group of ``attempt`` (``g<gen>``, or ``alone<uid>`` for a spare)."""
+    return f"{attempt_prefix(attempt)}/{name}"

@@ -1,0 +1,34 @@
+"""The key-value operations ftrun needs from a store: the seam a store backend plugs into.
+
+torch's ``TCPStore`` (the embedded default) has them all; another backend implements this protocol and the
+rest of ftrun (mailboxes, leases, plans, records) works on it unchanged. Every failure to reach the store is
+raised as a ``RuntimeError`` (torch's ``DistStoreError`` is one), which callers treat as "the store is not
+answering now".
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Protocol
+
+
+class KeyValue(Protocol):
+    """A job's key-value store, shared by every agent and worker of the job."""
+
+    def set(self, key: str, value: str | bytes) -> None:
+        """Write ``value`` under ``key``."""
+
+    def get(self, key: str) -> bytes:
+        """The value under ``key`` (waits for it, up to the client's timeout)."""
+
+    def add(self, key: str, amount: int) -> int:
+        """Add ``amount`` to the counter ``key`` (0 if absent) and return the new value."""
+
+    def check(self, keys: list[str]) -> bool:
+        """Whether every one of ``keys`` exists, without waiting."""
+
+    def wait(self, keys: list[str], timeout: timedelta) -> None:
+        """Return once every one of ``keys`` exists; RuntimeError after ``timeout``."""
+
+    def delete_key(self, key: str) -> bool:
+        """Delete ``key``; whether it existed."""

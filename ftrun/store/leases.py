@@ -1,0 +1,91 @@
+"""Node leases: every follower renews one in the store; the leader declares a node lost when it stops.
+
+A follower that cannot renew for ``--node-timeout`` stops its own workers (fences itself), so a node cut off
+from the store never trains on alone; one the leader evicted learns so at its next renewal.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from ftrun.store.job import JobStore
+
+RENEWALS_PER_TIMEOUT = 5
+"""A follower renews this many times per ``--node-timeout``."""
+
+
+class LeaseKeeper:
+    """A follower's lease: a thread renews it on a store connection of its own, with a short timeout."""
+
+    def __init__(self, connect: Callable[[], JobStore], node_rank: int, timeout: float) -> None:
+        self.node_rank = node_rank
+        self.timeout = timeout
+        self.renewed = time.monotonic()
+        self.evicted = False
+        self._connect = connect
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ftrun-lease", daemon=True)
+
+    def start(self) -> None:
+        """Start renewing."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop renewing (at the next renewal)."""
+        self._stop.set()
+
+    def fence_reason(self, now: float) -> str | None:
+        """Why this node must stop its workers at monotonic time ``now``, or None while its lease holds."""
+        if self.evicted:
+            return "the leader declared this node lost: stopping its workers"
+        silent = now - self.renewed
+        if silent > self.timeout:
+            return (f"could not renew this node's lease on the store for {silent:.1f} s (--node-timeout "
+                    f"{self.timeout:g}): fencing, so that a cut-off node does not train on alone")
+        return None
+
+    def _run(self) -> None:
+        store = None
+        while not self._stop.wait(self.timeout / RENEWALS_PER_TIMEOUT):
+            try:
+                store = store or self._connect()
+                self.evicted = store.renew_lease(self.node_rank)
+                self.renewed = time.monotonic()
+            except RuntimeError:
+                store = None  # reconnect on the next renewal
+
+
+class NodeLeases:
+    """The leader's side of the leases: which followers stopped renewing."""
+
+    START_GRACE = 60.0
+    """Seconds a node has to renew for the first time (its agent may still be starting over ssh)."""
+
+    def __init__(self, store: JobStore, nodes: list[int], timeout: float, now: float) -> None:
+        self.store = store
+        self.timeout = timeout
+        self.seen: dict[int, tuple[int, float]] = {n: (0, now + self.START_GRACE - timeout) for n in nodes}
+        self.next_check = now
+
+    def expired(self, now: float) -> list[tuple[int, float]]:
+        """Nodes whose lease expired since the last call, with how many seconds ago each renewed last."""
+        if now < self.next_check:
+            return []
+        self.next_check = now + min(0.5, self.timeout / RENEWALS_PER_TIMEOUT)
+        lost = []
+        for node, (count, when) in list(self.seen.items()):
+            current = self.store.lease_count(node)
+            if current != count:
+                self.seen[node] = (current, now)
+            elif now - when > self.timeout:
+                lost.append((node, now - when))
+        for node, _ in lost:
+            self.forget(node)
+        return lost
+
+    def forget(self, node: int) -> None:
+        """Stop watching ``node`` (lost, or done) and tell it, should it come back, that it was evicted."""
+        if self.seen.pop(node, None) is not None:
+            self.store.evict(node)

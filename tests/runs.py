@@ -1,0 +1,180 @@
+"""Runs of ftrun over the training workloads, as the recovery tests read them: commits, events, checks.
+
+Shared by the tests of in-place recovery, GPU health and drills (the fixtures that start such runs are in
+conftest.py). A run's stdout carries one ``commit`` line per step per worker; its event log says the rest.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+STEPS = 12
+TRAINING = ["--steps", str(STEPS), "--width", "256"]
+NPROC = 4
+PHASES = {"detect", "plan", "abort", "rendezvous", "agree", "transfer", "first_step"}
+# Loss parity tolerance. Before a fault the computation is the baseline's, bit for bit (same world size,
+# same Gloo reduction order), and is compared exactly. After it, 3 ranks (or a joiner's share) sum the
+# float32 gradients in a different order than 4 do: ~1e-7 relative per step, growing slowly over a few
+# steps of SGD with momentum; observed differences are ~2e-8. 1e-5 leaves a wide margin yet is ~1000x
+# smaller than the change of the loss from one step to the next (~1e-2), so replaying a step, skipping
+# one, or resuming with a stale model or optimizer state (momentum) would fail it.
+RTOL = 1e-5
+COMMIT = re.compile(r"commit uid=(\d+) rank=(\d+) world=(\d+) step=(\d+) loss=(\S+)$")
+TIMEOUT = 150  # per ftrun run: nothing may hang
+# Where workers wait on the event log for a joiner (seconds on a busy machine), the hang watchdog must
+# not take the wait for a hang; the waits give up after 120 s anyway.
+NO_WATCHDOG = ("--hang-timeout", "300")
+
+
+@dataclass(frozen=True)
+class Commit:
+    uid: int
+    rank: int
+    world: int
+    step: int
+    loss: float
+
+
+@dataclass
+class Run:
+    """One finished ftrun run: its result, its event log, and the steps each worker committed."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    events: list[dict]
+    run_dir: Path
+
+    def of(self, kind: str) -> list[dict]:
+        return [e for e in self.events if e["event"] == kind]
+
+    def commits(self, attempt: int | None = None) -> dict[int, list[Commit]]:
+        """Commit lines per worker uid, in the order each worker printed them (of one attempt: its logs)."""
+        if attempt is None:
+            text = self.stdout
+        else:
+            text = "".join(p.read_text() for p in sorted((self.run_dir / f"attempt_{attempt}").glob("*/stdout.log")))
+        per_uid: dict[int, list[Commit]] = {}
+        for line in text.splitlines():
+            match = COMMIT.search(line)
+            if match:
+                uid, rank, world, step, loss = match.groups()
+                per_uid.setdefault(int(uid), []).append(Commit(int(uid), int(rank), int(world), int(step), float(loss)))
+        return per_uid
+
+    def explain(self) -> str:
+        return f"exit {self.returncode}\n--- stderr\n{self.stderr[-4000:]}\n--- events\n" + \
+            "\n".join(json.dumps(e) for e in self.events)
+
+
+def read_run(result, log_dir: Path) -> Run:
+    """The one run ftrun wrote under ``log_dir``, with the finished process's ``result``."""
+    logs = list(log_dir.glob("*/events.jsonl"))
+    assert len(logs) == 1, f"expected one run directory in {log_dir}: {logs}\n{result.stderr}"
+    events = [json.loads(line) for line in logs[0].read_text().splitlines() if line.strip()]
+    return Run(result.returncode, result.stdout, result.stderr, events, logs[0].parent)
+
+
+# ------------------------------------------------------------------------------------------ checks
+def check_in_place(run: Run, baseline: dict[int, float], *, lost: dict[int, int], fault_step: int,
+                   joiners: tuple[int, ...] = (), respawned: tuple[int, ...] = (),
+                   world_after: int | None = None) -> dict:
+    """Assert an in-place recovery from the loss of ``lost`` ({uid: its exit code}) at ``fault_step``.
+
+    ``joiners`` (spares) fill the new generation at once; ``respawned`` workers start later and join
+    afterwards. Returns the fault's recovery event.
+    """
+    survivors = [uid for uid in range(NPROC) if uid not in lost]
+    members = survivors + list(joiners)
+    world_after = len(members) if world_after is None else world_after
+    why = run.explain()
+
+    # the job succeeded in its first attempt, without any fallback to a group restart
+    assert run.returncode == 0, why
+    assert not run.of("recovery_refused") and not run.of("recovery_failed") and not run.of("group_failure"), why
+    assert [(e["attempt"], e["succeeded"]) for e in run.of("attempt_end")] == [(0, True)], why
+    assert [e["outcome"] for e in run.of("end")] == ["succeeded"], why
+
+    # no survivor restarted: one process per uid, which ended with exit code 0; the lost ones died as planted
+    starts: dict[int, list[dict]] = {}
+    for event in run.of("worker_start"):
+        assert event["attempt"] == 0, why
+        starts.setdefault(event["uid"], []).append(event)
+    assert {uid: len(s) for uid, s in starts.items()} == {uid: 1 for uid in [*range(NPROC), *joiners, *respawned]}, why
+    exits = {e["uid"]: e for e in run.of("worker_exit")}
+    for uid in members:
+        assert (exits[uid]["pid"], exits[uid]["exitcode"]) == (starts[uid][0]["pid"], 0), f"uid {uid}\n{why}"
+    for uid, code in lost.items():
+        assert (exits[uid]["pid"], exits[uid]["exitcode"]) == (starts[uid][0]["pid"], code), f"uid {uid}\n{why}"
+    for uid in joiners:
+        assert starts[uid][0]["joiner"] is True, why
+
+    # the recovery is recorded, with every phase timed
+    faults = [r for r in run.of("recovery") if r["kind"] == "fault"]
+    assert len(faults) == 1, why
+    recovery = faults[0]
+    lost_ranks = sorted(lost)  # the uids are the initial ranks, and the fault hit generation 0
+    assert sorted(recovery["lost_uids"]) == lost_ranks and sorted(recovery["lost_ranks"]) == lost_ranks, why
+    assert (recovery["world_before"], recovery["world_after"]) == (NPROC, world_after), why
+    assert recovery["steps_lost"] == 0 and recovery["resumed_at_step"] == fault_step, why
+    assert set(recovery["phases"]) == PHASES and all(v >= 0 for v in recovery["phases"].values()), why
+    assert 0 <= recovery["latency"] < 30, why
+    generation = {e["gen"]: e for e in run.of("generation")}[recovery["gen"]]
+    assert generation["members"] == members and generation["joiners"] == list(joiners), why  # order kept
+    ranks = "|".join(", ".join(map(str, order)) for order in itertools.permutations(lost_ranks))  # fault order
+    notice = (rf"ftrun: recovered from loss of ranks? ({ranks}) in \d+\.\d\d s: "
+              rf"world {NPROC} -> {world_after}, 0 steps lost")
+    assert re.search(notice, run.stderr), why
+
+    check_steps(run, baseline, lost)
+    return recovery
+
+
+def check_steps(run: Run, baseline: dict[int, float], lost: dict[int, int]) -> None:
+    """Every step committed once, by the group of its generation, with the baseline's loss.
+
+    A rank that had not committed the step in flight when a peer died (while another rank had) takes
+    the state from a peer at recovery, so that step, and only that step, may be missing from its own
+    lines; no step may ever be committed twice by one worker (that would apply its update twice).
+    """
+    why = run.explain()
+    commits = run.commits()
+    recoveries = sorted(run.of("recovery"), key=lambda r: r["resumed_at_step"])
+    gens = {e["gen"]: e["members"] for e in run.of("generation")}
+    timeline = [(0, list(range(NPROC)))] + [(r["resumed_at_step"], gens[r["gen"]]) for r in recoveries]
+    final = timeline[-1][1]
+
+    def members_at(step: int) -> list[int]:
+        return [m for start, m in timeline if start <= step][-1]
+
+    may_skip = {r["resumed_at_step"] - 1 for r in recoveries}
+    loss_of: dict[int, float] = {}
+    for uid, lines in commits.items():
+        steps = [c.step for c in lines]
+        assert steps == sorted(set(steps)), f"uid {uid} committed a step twice or out of order: {steps}\n{why}"
+        if uid in final:
+            first = 0 if uid < NPROC else steps[0]
+            assert set(range(first, STEPS)) - set(steps) <= may_skip and steps[-1] == STEPS - 1, \
+                f"uid {uid} lost steps: {steps}\n{why}"
+        for c in lines:
+            group = members_at(c.step)
+            assert (c.world, c.rank) == (len(group), group.index(uid)), f"{c}: expected generation {group}\n{why}"
+            assert loss_of.setdefault(c.step, c.loss) == c.loss, f"ranks disagree on step {c.step}\n{why}"
+    assert set(loss_of) == set(range(STEPS)), why
+    for step in range(STEPS):
+        if step < recoveries[0]["resumed_at_step"]:  # computed by generation 0: bit for bit
+            assert loss_of[step] == baseline[step], f"step {step}\n{why}"
+        else:
+            assert loss_of[step] == pytest.approx(baseline[step], rel=RTOL), f"step {step}\n{why}"
+    # the survivors went on with the new generation: every step after the recovery by all of them
+    for step in range(timeline[-1][0], STEPS):
+        assert {uid for uid, lines in commits.items() if any(c.step == step for c in lines)} == set(final), \
+            f"step {step}\n{why}"
+    for uid in lost:
+        assert all(c.step < recoveries[0]["resumed_at_step"] for c in commits.get(uid, [])), why
