@@ -157,7 +157,7 @@ class Agent:
                 refused = self.gpu_health.why_no_restart(self.config.nproc_per_node)
                 if refused is None:
                     self.restart_count += 1
-                    self.store_host.clear_worker_keys()  # the new group must not read the old one's addresses
+                    self.store.clear_worker_keys()  # the new group must not read the old one's addresses
                     self.console.notice(
                         f"ftrun: {result.reason}; restarting the group "
                         f"(restart {self.restart_count} of {self.config.max_restarts})", style="bold yellow")

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 
 from ftrun.config import Endpoint
 from ftrun.errors import UsageError
-from ftrun.store import keys
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
@@ -55,16 +54,3 @@ class StoreHost:
             use_libuv=True,
         )
         return self.store
-
-    def clear_worker_keys(self) -> None:
-        """Delete what the workers of an ended attempt wrote (process group addresses, barrier counters).
-
-        Call it once they are all gone: the next group's ``init_process_group`` would otherwise read the
-        dead workers' addresses and fail to connect (pytorch#135712). ftrun's own keys are namespaced per
-        attempt, and stay. Without ``list_keys`` (older torch) nothing is done.
-        """
-        if self.store is None or not hasattr(self.store, "list_keys"):
-            return
-        for key in self.store.list_keys():
-            if not key.startswith(keys.OWN_PREFIX):
-                self.store.delete_key(key)

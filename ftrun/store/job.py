@@ -131,6 +131,19 @@ class JobStore:
         """Whether the leader declared node ``node_rank`` lost."""
         return self.kv.check([keys.evicted(node_rank)])
 
+    # ------------------------------------------------------------ attempts
+    def clear_worker_keys(self) -> None:
+        """Delete what the workers of an ended attempt wrote (process group addresses, barrier counters).
+
+        Call it once they are all gone: the next group's ``init_process_group`` would otherwise read the
+        dead workers' addresses and fail to connect (pytorch#135712). ftrun's own keys are namespaced per
+        attempt, and stay. A backend that cannot list its keys (older torch) leaves everything.
+        """
+        list_keys = getattr(self.kv, "list_keys", None)
+        for key in list_keys() if list_keys is not None else []:
+            if not key.startswith(keys.OWN_PREFIX):
+                self.kv.delete_key(key)
+
     # ------------------------------------------------------------ plans
     def publish_plan(self, attempt: int, plan: Plan) -> None:
         """Record ``plan`` as the current generation of ``attempt``."""

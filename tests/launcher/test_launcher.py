@@ -267,6 +267,15 @@ def test_max_restarts_restarts_group_and_second_attempt_sees_restart_count_1(tmp
     assert {e["TORCHELASTIC_MAX_RESTARTS"] for e in envs.values()} == {"1"}
 
 
+def test_group_restart_under_a_hostfile_launcher_that_hosts_the_store(run_ftrun, workload):
+    """With -H the launcher, not node 0's agent, hosts the store: the restart clears the dead group's keys
+    through the store's own connection, and the second attempt forms its group."""
+    res = run_ftrun("-H", "localhost:2", "--max-restarts", "1", workload("allreduce.py"), "--crash-first-attempt",
+                    timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "restarting the group (restart 1 of 1)" in res.stderr and "Traceback" not in res.stderr
+
+
 def test_gloo_group_forms_again_after_group_restart(run_ftrun, workload):
     # The dead group's addresses must not linger in the store for the new one to read (pytorch#135712).
     res = run_ftrun("--nproc-per-node", "2", "--max-restarts", "1", workload("allreduce.py"),
