@@ -121,6 +121,9 @@ def run(
     hosts: Optional[str] = typer.Option(None, "-H", "--hosts", help="Hosts as a list, like host1:4,host2:4."),
     node_timeout: float = typer.Option(
         10.0, "--node-timeout", help="Seconds without a lease renewal before a node is declared lost (and fences)."),
+    metrics_port: Optional[int] = typer.Option(
+        None, "--metrics-port", metavar="PORT",
+        help="Serve Prometheus metrics on this port (each node's agent, all interfaces; read-only)."),
     hang_timeout: Optional[float] = typer.Option(
         None, "--hang-timeout",
         help="Seconds without progress before a rank is declared hung (default: adaptive, 10x the median step)."),
@@ -138,6 +141,7 @@ def run(
         local_ranks_filter=local_ranks_filter, local_addr=local_addr, signals_to_handle=signals_to_handle,
         shutdown_timeout=shutdown_timeout, log_line_prefix_template=log_line_prefix_template,
         virtual_local_rank=virtual_local_rank, hostfile=hostfile, host_list=hosts, node_timeout=node_timeout,
+        metrics_port=metrics_port,
         unsupported={"--logs-specs": logs_specs, "--numa-binding": numa_binding,
                      "--duplicate-stdout-filters": duplicate_stdout_filters,
                      "--duplicate-stderr-filters": duplicate_stderr_filters,

@@ -161,6 +161,7 @@ class LaunchConfig:
     node_name: str = field(default_factory=socket.gethostname)  # this node's name in output prefixes
     host_store: bool = True  # this process serves the store (False: the hostfile launcher or node 0 does)
     node_timeout: float = 10.0  # a node whose lease is older than this is lost; an agent that cannot renew fences
+    metrics_port: int | None = None  # --metrics-port: every agent serves Prometheus metrics on it
     run_name: str | None = None  # the run directory's name, shared by every node of a multi-node job
     hosts: list[Host] | None = None  # --hostfile / -H: launch one agent per host from here
     under_launcher: bool = False  # this agent was started by a --hostfile launcher, which registers the run
@@ -262,6 +263,7 @@ def build_config(
     hostfile: str | None = None,
     host_list: str | None = None,
     node_timeout: float = 10.0,
+    metrics_port: int | None = None,
 ) -> LaunchConfig:
     """Validate the flags and build the one :class:`LaunchConfig` the launch runs on."""
     for flag, value in unsupported.items():
@@ -328,6 +330,8 @@ def build_config(
                           ("--hang-timeout", recovery.hang_timeout), ("--node-timeout", node_timeout)):
         if seconds is not None and not 0 < seconds < math.inf:
             raise UsageError(f"{flag} must be a positive number of seconds, not {seconds}")
+    if metrics_port is not None and not 0 < metrics_port < 65536:
+        raise UsageError(f"--metrics-port {metrics_port}: a port is between 1 and 65535")
     world = sum(node_sizes) if node_sizes else nproc * max_nodes
     if not 1 <= recovery.min_nproc <= world:
         raise UsageError(f"--min-nproc {recovery.min_nproc} must be between 1 and the number of workers ({world})")
@@ -364,6 +368,7 @@ def build_config(
         node_sizes=node_sizes,
         host_store=hosts is None and node_rank == 0,
         node_timeout=node_timeout,
+        metrics_port=metrics_port,
         hosts=hosts,
         xid_table=xid_table,
     )

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from rich.console import Console as RichConsole
 from rich.text import Text
@@ -12,17 +14,24 @@ STDOUT, STDERR = 1, 2
 
 
 class Console:
-    """The two console streams of a launcher or agent; rich colours on a terminal, plain text otherwise."""
+    """The two console streams of a launcher or agent; rich colours on a terminal, plain text otherwise.
+
+    A progress line (what the job waits for) stays at the bottom of a terminal, redrawn below each line
+    printed; without a terminal each new kind of wait is printed once, as a notice.
+    """
 
     def __init__(self) -> None:
         self.out = RichConsole(file=sys.stdout, highlight=False, soft_wrap=True)
         self.err = RichConsole(file=sys.stderr, highlight=False, soft_wrap=True)
+        self._progress: str | None = None
+        self._progress_said: str | None = None  # the kind of wait last printed without a terminal
 
     def line(self, stream: int, prefix: str, colour: str, text: str) -> None:
         """Print one worker line with its prefix."""
         console = self.out if stream == STDOUT else self.err
         if console.is_terminal:
-            console.print(Text(prefix, style=colour) + Text(" " + text))
+            with self._below():
+                console.print(Text(prefix, style=colour) + Text(" " + text))
         else:
             console.file.write(f"{prefix} {text}\n")
             console.file.flush()
@@ -30,7 +39,30 @@ class Console:
     def notice(self, text: str, style: str = "bold") -> None:
         """Print one line of ftrun's own on stderr (bold when a terminal)."""
         if self.err.is_terminal:
-            self.err.print(Text(text, style=style))
+            with self._below():
+                self.err.print(Text(text, style=style))
         else:
             self.err.file.write(text + "\n")
+            self.err.file.flush()
+
+    def progress(self, text: str | None) -> None:
+        """Show what the job waits for (None: nothing); the same wait is not printed twice without a terminal."""
+        if self.err.is_terminal:
+            if text != self._progress:
+                with self._below():
+                    self._progress = text
+            return
+        kind = text.split(":", 1)[0] if text else None
+        if kind is not None and kind != self._progress_said:
+            self.notice(f"ftrun: {text}")
+        self._progress_said = kind
+
+    @contextmanager
+    def _below(self) -> Iterator[None]:
+        """Clear the progress line, let the caller print, then draw the progress line again."""
+        if self._progress:
+            self.err.file.write("\r\x1b[2K")
+        yield
+        if self._progress:
+            self.err.file.write(f"\r\x1b[2m{self._progress[: max(10, self.err.width - 1)]}\x1b[0m")
             self.err.file.flush()

@@ -56,6 +56,8 @@ JOINER_LOST = EventKind("joiner_lost", ("uid", "how"))
 """A joiner ended before it was placed."""
 GROUP_FAILURE = EventKind("group_failure", ("reason",))
 """The attempt is being ended: every worker of this node is stopped."""
+RESUMED = EventKind("resumed", ("attempt", "step", "latency"))
+"""The first step committed after a group restart; ``latency``: seconds since the failure that caused it."""
 ATTEMPT_END = EventKind("attempt_end", ("attempt", "succeeded", "signal", "reason", "last_step"))
 """One start of the worker group ended."""
 END = EventKind("end", ("outcome",), ("signal", "reason"))
@@ -74,7 +76,7 @@ GPU_HEALTH = EventKind("gpu_health", ("kind", "gpu", "local_rank", "value", "act
 
 KINDS: dict[str, EventKind] = {kind.name: kind for kind in (
     START, WORKER_START, WORKER_EXIT, FAULT, GENERATION, RECOVERY, RECOVERY_REFUSED, RECOVERY_FAILED, RESCUE,
-    JOINER_READY, JOINER_LOST, GROUP_FAILURE, ATTEMPT_END, END, HANG, INJECT, NODE_LOST, FENCED, GPU_HEALTH)}
+    JOINER_READY, JOINER_LOST, GROUP_FAILURE, RESUMED, ATTEMPT_END, END, HANG, INJECT, NODE_LOST, FENCED, GPU_HEALTH)}
 """Every kind of event, by name."""
 
 

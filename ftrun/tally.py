@@ -60,6 +60,7 @@ class EventTally:
         self.faults_survived = 0  # ranks lost and recovered from in place
         self.recovery_failures = 0
         self.latencies: list[float] = []
+        self.restart_latencies: list[float] = []  # failure -> first step, of each group restart that resumed
         self.recoveries: deque[dict[str, Any]] = deque(maxlen=RECENT_RECOVERIES)
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_EVENTS)
 
@@ -71,7 +72,7 @@ class EventTally:
             self.world_initial = self.world_size = event.get("world_size", event.get("nproc"))
         elif kind == "generation":
             self.gen, self.world_size = event["gen"], event["world_size"]
-        elif kind == "fault":
+        elif kind in ("fault", "recovery_refused"):  # a lost worker, recovered in place or not
             self.faults += 1
         elif kind == "recovery":
             self.latencies.append(event["latency"])
@@ -80,6 +81,8 @@ class EventTally:
                 self.faults_survived += len(event.get("lost_ranks", []))
         elif kind == "recovery_failed":
             self.recovery_failures += 1
+        elif kind == "resumed":
+            self.restart_latencies.append(event["latency"])
         elif kind == "worker_start" and event.get("attempt", 0) > self.attempt:
             self.attempt = event["attempt"]
             self.gen, self.world_size = 0, self.world_initial  # a group restart starts from the full group
@@ -102,6 +105,29 @@ class EventTally:
                            "median_latency": statistics.median(self.latencies) if self.latencies else None},
             "events": list(self.recent),
         }
+
+
+def run_summary(tally: EventTally, now: float) -> str:
+    """One line for the end of a run: its outcome, steps, faults, recoveries, time lost to them and goodput.
+
+    Time lost is the recoveries' latencies (fault to the first step after it) and the group restarts'
+    (failure to the first step of the new attempt); goodput is the rest of the run's wall-clock time over
+    all of it.
+    """
+    wall = now - tally.started if tally.started else 0.0
+    steps = "no step reported" if tally.last_step is None else f"{tally.last_step + 1} steps"
+    head = f"ftrun: {tally.outcome or 'ended'}: {steps} in {wall:.1f} s"
+    if not tally.faults and not tally.attempt:
+        return f"{head}, no fault"
+    lost = sum(tally.latencies) + sum(tally.restart_latencies)
+    recoveries = f"{len(tally.latencies)} recover{'y' if len(tally.latencies) == 1 else 'ies'} in place"
+    if tally.latencies:
+        recoveries += f" (median {statistics.median(tally.latencies):.2f} s)"
+    restarts = f"{tally.attempt} group restart{'' if tally.attempt == 1 else 's'}"
+    head = f"{head}; {tally.faults} fault{'' if tally.faults == 1 else 's'}, {recoveries}, {restarts}"
+    if tally.outcome != "succeeded" or wall <= 0:
+        return head
+    return f"{head}; {lost:.2f} s lost to them, goodput {max(0.0, 1 - lost / wall):.3f}"
 
 
 def tally_events(events: list[dict[str, Any]]) -> EventTally:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ftrun import events, protocol, registry
+from ftrun.agent import metrics
 from ftrun.agent.decisions import RecoveryOptions
 from ftrun.agent.drills import Drills
 from ftrun.agent.failures import AttemptResult, WorkerFailure, describe_failure, format_report
@@ -39,6 +40,7 @@ from ftrun.store.host import StoreHost
 from ftrun.store.job import JobStore
 from ftrun.store.leases import LeaseKeeper, NodeLeases
 from ftrun.store.mailbox import MailReader
+from ftrun.tally import run_summary
 
 STORE_TIMEOUT = 300.0
 """Seconds an agent's store calls may wait (a follower waits this long for node 0 to serve the store)."""
@@ -82,6 +84,8 @@ class Agent:
         self.log.listeners.append(self.status.tally.add)
         self.local_world = config.nproc_per_node
         """Training workers this attempt starts on this node: fewer than --nproc-per-node after a GPU eviction."""
+        self.restarted_after: float | None = None
+        """Wall-clock time of the failure that ended the previous attempt (None in the first)."""
         drills = Drills(self.log, config.node_rank, self.ranked_workers,
                         lambda uid: self.coordination is not None and self.coordination.adopted(uid), self.gpu_health)
         self.commands: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
@@ -97,6 +101,12 @@ class Agent:
         os.set_blocking(mail_w, False)
         self.gpu_health.start()
         config = self.config
+        if config.metrics_port is not None:
+            try:
+                metrics.serve(config.metrics_port, "0.0.0.0", lambda: self.status.latest)
+            except OSError as exc:  # metrics are a window on the job, not a reason to stop it
+                self.console.notice(f"ftrun: no metrics: port {config.metrics_port}: {exc.strerror or exc}",
+                                    style="yellow")
         self.log.write(events.START, run_id=config.run_id, command=config.command, node=config.node_rank,
                        nproc=config.nproc_per_node, world_size=config.world_size, store_port=config.store.port)
         entry = None
@@ -138,12 +148,14 @@ class Agent:
             for worker in self.pool.all():
                 self.coordination.on_start(worker)
             result = self._watch()
+            self.console.progress(None)
             self.log.write(events.ATTEMPT_END, attempt=self.restart_count, succeeded=result.succeeded,
                            signal=result.signal, reason=result.reason,
                            last_step=max(self.coordination.last_step.values(), default=None))
             self.coordination.close(None if result.succeeded or result.signal is not None else result.reason)
             if result.succeeded:
                 self.log.write(events.END, outcome="succeeded")
+                self._summarise()
                 return EXIT_OK
             if result.signal is not None:
                 self.console.notice(f"ftrun: stopped by {signal_name(result.signal)}; all workers stopped")
@@ -157,6 +169,7 @@ class Agent:
                 refused = self.gpu_health.why_no_restart(self.config.nproc_per_node)
                 if refused is None:
                     self.restart_count += 1
+                    self.restarted_after = min((f.when for f in result.failures), default=time.time())
                     self.store.clear_worker_keys()  # the new group must not read the old one's addresses
                     self.console.notice(
                         f"ftrun: {result.reason}; restarting the group "
@@ -165,7 +178,13 @@ class Agent:
                 result.reason = f"{result.reason}; no group restart: {refused}"
             self.console.notice(format_report(self.config.script, result.reason, result.failures), style="bold red")
             self.log.write(events.END, outcome="failed", reason=result.reason)
+            self._summarise()
             return EXIT_WORKERS_FAILED
+
+    def _summarise(self) -> None:
+        """The leader's last line: steps, faults, recoveries, time lost, goodput."""
+        if self.leader:
+            self.console.notice(run_summary(self.status.tally, time.time()), style="bold")
 
     def _connect(self, timeout: float = STORE_TIMEOUT) -> JobStore:
         """A new client connection to the job's store."""
@@ -180,8 +199,12 @@ class Agent:
         elif self.leader:
             store = self._connect()
         else:  # short calls, so that its loop goes on to fence itself if the store stops answering
-            store = JobStore(open_client_retrying(config.store.host, config.store.port, config.node_timeout / 2,
-                                                  STORE_TIMEOUT))
+            where = f"{config.store.host}:{config.store.port}"
+            store = JobStore(open_client_retrying(
+                config.store.host, config.store.port, config.node_timeout / 2, STORE_TIMEOUT,
+                lambda: self.console.progress(f"waiting for the store at {where} (node 0 serves it): up to "
+                                              f"{STORE_TIMEOUT:.0f} s")))
+            self.console.progress(None)
         if self.leader:
             store.write_job({"run_id": self.run_dir.name, "rdzv_id": config.run_id, "nnodes": config.min_nodes,
                              "world_size": config.world_size, "run_dir": str(self.run_dir)})
@@ -208,7 +231,7 @@ class Agent:
         options = RecoveryOptions(recovery.enabled, recovery.min_nproc, recovery.recovery_timeout,
                                   recovery.join_timeout)
         setup = LeaderSetup(self.restart_count, self.sizes, options, recovery.respawn, recovery.hang_timeout,
-                            config.multinode)
+                            config.multinode, self.restarted_after)
         leader = Leader(setup, self.store, self.log, self.console, self, self.pool, self.gpu_health)
         if self.node_leases is not None:
             leader.nodes = RemoteNodes(self.store, self.node_leases, config.min_nodes, self.restart_count, self.log,

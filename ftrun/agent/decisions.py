@@ -199,6 +199,29 @@ def rescue_outcome(rescue: Rescue, now: float) -> str | None:
     return f"{rescue.reason}; the state of step {best} was saved for the restart"
 
 
+def waiting_for(m: Membership, options: RecoveryOptions, recovery: Recovery | None, rescue: Rescue | None,
+                warming: int, now: float) -> str | None:
+    """What the job waits for at monotonic ``now``, in a few words for a progress line; None when it trains.
+
+    ``warming``: joiners started but not ready yet (spares and replacements importing their libraries).
+    """
+    if rescue is not None:
+        saved = len(rescue.saved)
+        return (f"saving the live workers' state before a group restart: {saved} of {saved + len(rescue.waiting)} "
+                f"saved, {max(0.0, rescue.deadline - now):.0f} s left")
+    if recovery is not None and recovery.waiting_since is not None:
+        have = len(m.plan.members) + len(m.ready)
+        left = max(0.0, options.join_timeout - (now - recovery.waiting_since))
+        return (f"waiting for joiners to reach --min-nproc {options.min_nproc}: {have} of {options.min_nproc}"
+                f"{f' ({warming} starting)' if warming else ''}, {left:.0f} s left")
+    if recovery is not None and now - recovery.began > 1.0:
+        return (f"recovering in place into generation {recovery.gen}: {len(recovery.reports)} of "
+                f"{m.plan.world_size} workers rejoined, {now - recovery.began:.0f} s so far")
+    if warming:
+        return f"{warming} joiner{'s' if warming > 1 else ''} starting"
+    return None
+
+
 def succeeded(m: Membership) -> bool:
     """Whether every member of the current generation finished with exit code 0.
 

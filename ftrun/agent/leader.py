@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ftrun import events, protocol
-from ftrun.agent.decisions import (Act, Membership, Recovery, RecoveryOptions, Rescue, decide_deadline,
+from ftrun.agent.decisions import (Act, Decision, Membership, Recovery, RecoveryOptions, Rescue, decide_deadline,
                                    decide_fault, decide_join, lost_ranks, recovery_summary, rescue_outcome, split_lost,
-                                   succeeded)
+                                   succeeded, waiting_for)
 from ftrun.agent.ports import EventSink, GpuUse, LocalWorkers, Notices, WorkerControl, WorkerHandle
 from ftrun.agent.watchdog import HangWatchdog
 from ftrun.health.hangs import HangPolicy
@@ -42,6 +42,7 @@ class LeaderSetup:
     respawn: bool
     hang_timeout: float | None
     multinode: bool
+    restarted_after: float | None = None  # wall clock: the failure that ended the previous attempt, if any
 
 
 class Leader:
@@ -132,6 +133,9 @@ class Leader:
             self.rescue.waiting.discard(uid)
             self.rescue.saved[uid] = message["step"]
         elif kind == protocol.PROGRESS:
+            if not m.trained and self.setup.restarted_after is not None:
+                self.log.write(events.RESUMED, attempt=self.setup.attempt, step=message["step"],
+                               latency=round(message["time"] - self.setup.restarted_after, 6))
             m.trained.add(uid)
             m.last_step[uid] = message["step"]
             if watchdog:
@@ -159,6 +163,7 @@ class Leader:
         decision = decide_fault(m, self.options, lost, ranks, len(replaced), self.rescue is not None)
         if decision.act is Act.RESTART and not self.options.enabled:
             return False
+        self._announce([failures[uid][1] for uid in lost], ranks, decision)
         if decision.act in (Act.RESCUE, Act.RESTART):
             for uid in lost:
                 self.log.write(events.RECOVERY_REFUSED, uid=uid, reason=decision.reason)
@@ -200,6 +205,7 @@ class Leader:
                 self.log.write(events.RESCUE, saved=self.rescue.saved, best_step=best,
                                missing=sorted(self.rescue.waiting))
             return reason
+        self.notices.progress(waiting_for(self.members, self.options, self.recovery, self.rescue, self._warming(), now))
         if self.recovery is None:
             stuck = self.watchdog.check([uid for uid in self.plan.members
                                          if uid not in self.members.finished and self.local.get(uid) is not None])
@@ -217,6 +223,32 @@ class Leader:
             self.nodes.stop(reason)
 
     # ------------------------------------------------------------ effects
+    def _announce(self, failures: list[WorkerFailure], ranks: list[int], decision: Decision) -> None:
+        """One console line as a fault is seen: who was lost, how, and what happens next."""
+        if decision.act is Act.NONE:
+            return
+        hows = sorted({failure.how for failure in failures})
+        who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} lost ({'; '.join(hows)})"
+        if decision.act is Act.NEW_PLAN:
+            what, style = f"recovering in place, world {self.plan.world_size} -> {decision.plan.world_size}", \
+                "bold yellow"
+        elif decision.act is Act.WAIT:
+            what, style = decision.reason, "bold yellow"
+        else:
+            what, style = f"no in-place recovery: {decision.reason}", "bold red"
+            if "worker API" in decision.reason:
+                what += " (to recover in place, call ftrun.init() and train in ft.steps() with ft.commit(): " \
+                        "README, 'The worker API')"
+            if decision.act is Act.RESCUE:
+                what += "; saving the live workers' state first"
+        self.notices.notice(f"ftrun: {who}: {what}", style=style)
+
+    def _warming(self) -> int:
+        """Joiners started (spares, replacements) that are not ready yet."""
+        m = self.members
+        return sum(1 for w in [*self.local.live(), *self.remote_workers()]
+                   if w.slot.joiner and w.uid not in m.ready and w.uid not in m.plan.members)
+
     def _joiner_lost(self, worker: WorkerHandle, failure: WorkerFailure) -> None:
         """A joiner (not yet placed) ended: forget it; a GPU health restart still gets its replacement."""
         if worker.uid in self.members.ready:

@@ -32,6 +32,9 @@ class Notices(Protocol):
     def notice(self, text: str, style: str = "bold") -> None:
         """Print one line for the person watching."""
 
+    def progress(self, text: str | None) -> None:
+        """Say what the job is waiting for (None: it is not waiting)."""
+
 
 class WorkerHandle(Protocol):
     """A worker the coordination addresses: this node's own process, or another node's through its agent."""

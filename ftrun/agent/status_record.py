@@ -79,6 +79,9 @@ class StatusPublisher:
         self.last_rank: dict[int, int] = {}  # uid -> the rank it held last (shown for workers that ended)
         self.rates: deque[tuple[float, int]] = deque()  # (time, highest committed step) over RATE_WINDOW
         self.next_publish = 0.0
+        self.latest: tuple[dict[str, Any] | None, dict[str, Any] | None] = (None, None)
+        """The last (job record, node record) built: the job's only on the leader. Replaced as a whole, so
+        another thread (the metrics endpoint) always reads a consistent pair."""
 
     def tick(self, now: float) -> None:
         """Called from the agent's loop with time.monotonic(): publish when a record is due."""
@@ -87,11 +90,15 @@ class StatusPublisher:
             self.next_publish = now + STATUS_INTERVAL
 
     def publish(self) -> None:
-        """Write this node's record, and the job's on the leader; skipped while the store cannot be reached."""
+        """Build this node's record, and the job's on the leader, and write them (skipped while the store
+        cannot be reached)."""
+        node = self.node_record()
+        job = self.job_record() if self.run.node_rank == 0 else None
+        self.latest = (job, node)
         try:
-            self.store.write_status(self.run.node_rank, self.node_record())
-            if self.run.node_rank == 0:
-                self.store.write_job_status(self.job_record())
+            self.store.write_status(self.run.node_rank, node)
+            if job is not None:
+                self.store.write_job_status(job)
         except RuntimeError:  # torch's store errors: a lasting loss of the store is the lease's business
             pass
 

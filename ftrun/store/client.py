@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -21,16 +22,22 @@ def open_client(host: str, port: int, timeout: float) -> TCPStore:
                     use_libuv=True)
 
 
-def open_client_retrying(host: str, port: int, call_timeout: float, total: float) -> TCPStore:
+def open_client_retrying(host: str, port: int, call_timeout: float, total: float,
+                         waiting: Callable[[], None] = lambda: None) -> TCPStore:
     """A connection whose calls wait at most ``call_timeout`` s (torch fixes the socket's timeout when it
-    connects), retried for ``total`` s: the store may be served later than this process starts."""
+    connects), retried for ``total`` s: the store may be served later than this process starts.
+    ``waiting`` is called once, when the first try fails."""
     deadline = time.monotonic() + total
+    tries = 0
     while True:
         try:
             return open_client(host, port, call_timeout)
         except RuntimeError:
             if time.monotonic() > deadline:
                 raise
+            tries += 1
+            if tries == 1:
+                waiting()
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:

@@ -8,7 +8,7 @@ import pytest
 
 from ftrun.agent.decisions import (Act, Membership, Recovery, RecoveryOptions, Rescue, decide_deadline, decide_fault,
                                    decide_join, lost_ranks, next_plan, recovery_summary, rescue_outcome, split_lost,
-                                   succeeded, why_not_in_place)
+                                   succeeded, waiting_for, why_not_in_place)
 from ftrun.protocol import Plan
 
 pytestmark = pytest.mark.fast
@@ -225,3 +225,22 @@ def test_a_recovery_summary_times_each_phase_and_counts_no_lost_step():
     behind = {**recovery.reports[0], "step": 5}
     recovery.reports[0] = behind  # a survivor that resumed two steps behind the committed one
     assert recovery_summary(recovery, {"time": 100.1, "step": 6}, world_after=3)["steps_lost"] == 2  # 6 and 7 again
+
+
+# --------------------------------------------------------------------------------------- progress
+def test_what_the_job_waits_for_in_words():
+    options = RecoveryOptions(min_nproc=4, join_timeout=60.0)
+    m = members(ready=[7])
+    assert waiting_for(m, options, None, None, warming=0, now=5.0) is None
+    assert waiting_for(m, options, None, None, warming=2, now=5.0) == "2 joiners starting"
+    waiting = Recovery("fault", 0.0, 0.0, 0.0, m.plan, 3, waiting_since=10.0)
+    m.plan = Plan(1, [0, 1])
+    assert waiting_for(m, options, waiting, None, warming=1, now=25.0) == \
+        "waiting for joiners to reach --min-nproc 4: 3 of 4 (1 starting), 45 s left"
+    recovering = Recovery("fault", 100.0, 0.0, 0.0, m.plan, 3, gen=2)
+    assert waiting_for(m, options, recovering, None, 0, now=100.5) is None  # a fast recovery shows nothing
+    assert waiting_for(m, options, recovering, None, 0, now=103.2) == \
+        "recovering in place into generation 2: 0 of 2 workers rejoined, 3 s so far"
+    rescue = Rescue("why", deadline=20.0, waiting={1}, saved={0: 5})
+    assert waiting_for(m, options, None, rescue, 0, now=12.0) == \
+        "saving the live workers' state before a group restart: 1 of 2 saved, 8 s left"

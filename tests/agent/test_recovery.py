@@ -93,6 +93,11 @@ def test_script_without_the_worker_api_falls_back_to_a_group_restart(launch, tmp
     assert [e["attempt"] for e in run.of("attempt_end")] == [0, 1], why
     assert not run.of("generation") and not run.of("recovery"), why
     assert "restarting the group (restart 1 of 1)" in run.stderr, why
+    # the console says why, as the fault is seen, and what to change
+    assert "rank 1 lost (exit code 1): no in-place recovery: not every worker had joined through ftrun.init()" \
+        in run.stderr and "README, 'The worker API'" in run.stderr, why
+    assert re.search(r"^ftrun: failed: no step reported in \d+\.\d s; 2 faults, 0 recoveries in place, "
+                     r"1 group restart$", run.stderr, re.M), why
 
 
 def test_recovery_that_cannot_reach_min_nproc_falls_back_and_the_restart_completes(launch, baseline):

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -91,9 +92,12 @@ def worker_pids(run_dir: str) -> dict[int, int]:
     return {e["rank"]: e["pid"] for e in map(json.loads, lines) if e["event"] == "worker_start"}
 
 
-def test_status_of_a_live_job_through_a_fault_and_after_it_ends(live_job, launcher_env, monkeypatch, capsys):
+def test_status_of_a_live_job_through_a_fault_and_after_it_ends(live_job, launcher_env, monkeypatch, capsys,
+                                                                free_port):
     monkeypatch.setenv("XDG_CACHE_HOME", launcher_env["XDG_CACHE_HOME"])  # where the job's run directory is
-    proc, entry = live_job("--nproc-per-node", "4", EXAMPLE, "--steps", "100000", "--width", "256")
+    port = free_port()
+    proc, entry = live_job("--nproc-per-node", "4", "--metrics-port", port, EXAMPLE, "--steps", "100000",
+                           "--width", "256")
     steps = Steps(proc.stdout)
     steps.reach(3)
     pids = worker_pids(entry.run_dir)
@@ -124,6 +128,14 @@ def test_status_of_a_live_job_through_a_fault_and_after_it_ends(live_job, launch
     after = doc["step"]
     steps.reach(after + 10)  # training goes on with three ranks
 
+    # the same, as Prometheus scrapes it (the record of a second ago: it shows the recovery too)
+    scraped = scrape(port)
+    assert (scraped[("ftrun_world_size", ())], scraped[("ftrun_recoveries_total", ())],
+            scraped[("ftrun_faults_total", ())]) == (3, 1, 1)
+    assert scraped[("ftrun_last_recovery_phase_seconds", (("phase", "rendezvous"),))] > 0
+    assert scraped[("ftrun_worker_state", (("local_rank", "2"), ("node", "0"), ("rank", "2"), ("state", "lost")))] == 1
+    assert scraped[("ftrun_worker_step", (("local_rank", "0"), ("node", "0"), ("rank", "0")))] >= after
+
     screen = rendered(doc)
     assert f"run {entry.run_id}" in screen and "DEGRADED" in screen and "world 3/4" in screen
     for rank in (0, 1, 3):
@@ -141,6 +153,16 @@ def test_status_of_a_live_job_through_a_fault_and_after_it_ends(live_job, launch
     assert ended[pids[2]] == (2, "lost") and all(ended[pids[r]][1] == "stopped" for r in (0, 1, 3))
     code, out = status(capsys, "--log-dir", entry.run_dir)
     assert code == 1 and "ended: interrupted" in out and "recoveries 1: last" in out
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """The samples of an agent's metrics endpoint: (name, sorted labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def failed(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:
