@@ -200,10 +200,10 @@ def inject(
         if rank is not None or value is not None:
             raise UsageError("inject chaos picks its ranks itself: drop --rank and the value")
         chosen = drills.parse_kinds(kinds)
-        job = drills.Job.connect(drills.job_endpoint(run_id, endpoint))
+        job = drills.Job.connect(drills.job_endpoint(run_id, endpoint), registered=endpoint is None)
         raise typer.Exit(drills.run_chaos(job, mtbf, duration, chosen, seed))
     message = drills.drill_message(kind, value, rank, duration_of_slow)
-    job = drills.Job.connect(drills.job_endpoint(run_id, endpoint))
+    job = drills.Job.connect(drills.job_endpoint(run_id, endpoint), registered=endpoint is None)
     print(job.inject(message)["message"])
 
 

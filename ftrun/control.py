@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import socket
 import threading
 import time
 import uuid
@@ -27,11 +26,15 @@ from datetime import timedelta
 from typing import Any
 
 from ftrun.errors import NoSuchJob, UsageError
+from ftrun.store_wire import StoreClient, StoreError
 
 JOB_KEY = "ftrun/job"
 POLL_INTERVAL = 0.01
 """Seconds between two looks for a mailbox's next message: a store round trip each, cheap."""
 STATUS_JOB_KEY = "ftrun/status/job"
+STORE_START_WAIT = 30.0
+"""Seconds to wait for the store of a job that this machine's registry lists: a job is registered as it starts,
+and its store is served once its agent has imported torch, seconds later on a busy machine."""
 
 
 def status_node_key(node_rank: int) -> str:
@@ -126,20 +129,19 @@ def reply(store: Any, message: dict[str, Any], answer: dict[str, Any]) -> None:
         store.set(f"ftrun/reply/{token}", json.dumps(answer))
 
 
-def connect(endpoint: str, timeout: float = 5.0) -> Any:
-    """A client connection to the store of the job at HOST:PORT; a clear UsageError when it is not there."""
+def connect(endpoint: str, timeout: float = 5.0, connect_timeout: float | None = None) -> StoreClient:
+    """A client connection to the store of the job at HOST:PORT, without torch (see ftrun.store_wire); a clear
+    NoSuchJob when nothing there answers as a TCPStore within ``connect_timeout`` (default ``timeout``) seconds.
+
+    Pass STORE_START_WAIT for a job found in this machine's registry.
+    """
     host, _, port_text = endpoint.rpartition(":")
     if not host or not port_text.isdigit():
         raise UsageError(f"--endpoint {endpoint!r}: expected HOST:PORT, e.g. node0:29500")
-    port = int(port_text)
-    try:  # a plain connect first: a refused or unreachable endpoint is one line, at once
-        socket.create_connection((host, port), timeout=timeout).close()
-    except OSError as exc:
-        raise NoSuchJob(f"cannot reach a job at {host}:{port}: {exc.strerror or exc}") from None
     try:
-        return open_store(host, port, timeout)
-    except RuntimeError as exc:
-        raise NoSuchJob(f"cannot reach a job at {host}:{port}: {str(exc).splitlines()[0]}") from None
+        return StoreClient(host, int(port_text), timeout, connect_timeout)
+    except StoreError as exc:
+        raise NoSuchJob(f"cannot reach a job at {host}:{port_text}: {exc}") from None
 
 
 def open_store(host: str, port: int, timeout: float) -> Any:

@@ -86,9 +86,10 @@ class Job:
     info: dict[str, Any]
 
     @classmethod
-    def connect(cls, endpoint: str) -> Job:
-        """Connect to the job at HOST:PORT; UsageError when it is not an ftrun job."""
-        store = control.connect(endpoint)
+    def connect(cls, endpoint: str, registered: bool = False) -> Job:
+        """Connect to the job at HOST:PORT (``registered``: found in this machine's registry, so its store
+        may not be served yet); UsageError when it is not an ftrun job."""
+        store = control.connect(endpoint, connect_timeout=control.STORE_START_WAIT if registered else None)
         try:  # a job that has just started writes it right after its workers
             store.wait([control.JOB_KEY], timedelta(seconds=JOB_KEY_WAIT))
         except RuntimeError:  # torch's DistStoreError on timeout

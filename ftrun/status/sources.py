@@ -24,6 +24,7 @@ class Target:
 
     endpoint: str | None
     run_dir: Path | None
+    registered: bool = False  # found in this machine's registry: its store may not be served yet
     store: Any = field(default=None, repr=False)  # the client connection, kept between --watch refreshes
 
     def document(self) -> dict[str, Any]:
@@ -39,7 +40,8 @@ class Target:
 
     def _live(self) -> dict[str, Any]:
         if self.store is None:
-            self.store = control.connect(self.endpoint)
+            self.store = control.connect(self.endpoint,
+                                         connect_timeout=control.STORE_START_WAIT if self.registered else None)
             try:
                 self.store.wait([control.STATUS_JOB_KEY], timedelta(seconds=FIRST_RECORD_WAIT))
             except RuntimeError:
@@ -64,10 +66,10 @@ def find_targets(endpoint: str | None, run_id: str | None, log_dir: Path | None)
         if not running:
             raise NoSuchJob("no ftrun job is running on this machine (name one with --endpoint HOST:PORT, "
                             "or a past one with --run-id ID or --log-dir DIR)")
-        return [Target(e.endpoint, Path(e.run_dir)) for e in running]
+        return [Target(e.endpoint, Path(e.run_dir), registered=True) for e in running]
     live = [e for e in running if run_id in (e.run_id, e.rdzv_id)] if log_dir is None else []
     if live:
-        return [Target(e.endpoint, Path(e.run_dir)) for e in live]
+        return [Target(e.endpoint, Path(e.run_dir), registered=True) for e in live]
     root = log_dir or registry.default_runs_root()
     if not root.is_dir():
         raise NoSuchJob(f"--log-dir {root}: no such directory")
@@ -78,7 +80,7 @@ def find_targets(endpoint: str | None, run_id: str | None, log_dir: Path | None)
         raise NoSuchJob(f"{root} holds no run (no events.jsonl in it or in its folders)")
     newest = found[-1]
     entry = next((e for e in running if Path(e.run_dir) == newest), None)
-    return [Target(entry.endpoint if entry else None, newest)]
+    return [Target(entry.endpoint if entry else None, newest, registered=entry is not None)]
 
 
 def run_dirs(root: Path, run_id: str | None) -> list[Path]:
