@@ -12,9 +12,11 @@ import statistics
 from collections import deque
 from typing import Any
 
-NOTABLE = frozenset({"start", "fault", "hang", "evict", "eviction", "generation", "recovery", "recovery_refused",
-                     "recovery_failed", "rescue", "group_failure", "attempt_end", "end"})
-"""Events worth showing a person watching the job (not every worker start or exit)."""
+NOTABLE = frozenset({"start", "fault", "hang", "gpu_health", "node_lost", "fenced", "inject", "generation",
+                     "recovery", "recovery_refused", "recovery_failed", "joiner_lost", "rescue", "group_failure",
+                     "attempt_end", "end"})
+"""Events worth showing a person watching the job: every kind the agent writes except the routine ones (each
+worker's start and exit, a joiner becoming ready, periodic progress), which the worker table shows."""
 
 RECENT_EVENTS = 20
 """How many notable events a tally keeps."""
@@ -23,7 +25,8 @@ RECENT_RECOVERIES = 10
 
 _EVENT_FIELDS = ("time", "event", "rank", "pid", "how", "gen", "world_size", "reason", "lost_ranks",
                  "world_before", "world_after", "latency", "steps_lost", "outcome", "attempt", "silent_for",
-                 "last_step", "signal")
+                 "last_step", "signal", "kind", "uid", "node", "ranks", "gpu", "local_rank", "value", "action",
+                 "args", "best_step")
 _RECOVERY_FIELDS = ("time", "kind", "gen", "latency", "phases", "lost_ranks", "world_before", "world_after",
                     "steps_lost", "resumed_at_step")
 
