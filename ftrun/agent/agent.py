@@ -247,7 +247,7 @@ class Agent:
         prefix = render_prefix(self.config.log_line_prefix_template, self.config.role, shown_rank, local_rank,
                                self.config.node_name)
         if joiner and respawn_of is None:
-            prefix = f"[spare{uid}]:"
+            prefix = f"[spare{uid}]: "
         console_mask = 0 if (self.config.local_ranks_filter is not None
                              and local_rank not in self.config.local_ranks_filter) else 3
         console_mask &= ~self.config.redirects.get(local_rank, 0)

@@ -19,23 +19,42 @@ TAIL_LINES = 200
 
 
 class Console2:
-    """The agent's two console streams; rich colours on a terminal, plain bytes otherwise."""
+    """The agent's two console streams; rich colours on a terminal, plain bytes otherwise.
+
+    A worker's unfinished line that ends in a carriage return (a progress bar) is drawn in place at once; the
+    next output of the same worker goes over it, another worker's output goes on the next line.
+    """
 
     def __init__(self) -> None:
         self.out = Console(file=sys.stdout, highlight=False, soft_wrap=True)
         self.err = Console(file=sys.stderr, highlight=False, soft_wrap=True)
+        self._drawn: dict[int, object] = {}  # stream -> the owner of the line drawn in place there, not ended
 
-    def line(self, stream: int, prefix: str, colour: str, text: str) -> None:
-        """Print one worker line with its prefix."""
+    def line(self, stream: int, prefix: str, colour: str, text: str, owner: object = None) -> None:
+        """Print one worker line after its prefix (the prefix as is: it ends with a space if one is wanted)."""
+        self._write(stream, prefix, colour, text, owner, "\n")
+        self._drawn.pop(stream, None)
+
+    def update(self, stream: int, prefix: str, colour: str, text: str, owner: object) -> None:
+        """Draw ``owner``'s unfinished line in place: no newline, overwritten by its next update or line."""
+        self._write(stream, prefix, colour, text, owner, "")
+        self._drawn[stream] = owner
+
+    def _write(self, stream: int, prefix: str, colour: str, text: str, owner: object, end: str) -> None:
         console = self.out if stream == STDOUT else self.err
+        drawn = self._drawn.get(stream)
+        if drawn is not None:  # back over the owner's own line (erasing it on a terminal), else below another's
+            console.file.write(("\r\x1b[K" if console.is_terminal else "\r") if drawn is owner else "\n")
         if console.is_terminal:
-            console.print(Text(prefix, style=colour) + Text(" " + text))
+            console.print(Text(prefix, style=colour) + Text(text), end=end)
         else:
-            console.file.write(f"{prefix} {text}\n")
-            console.file.flush()
+            console.file.write(f"{prefix}{text}{end}")
+        console.file.flush()
 
     def notice(self, text: str, style: str = "bold") -> None:
         """Print one line of ftrun's own on stderr (bold when a terminal)."""
+        if self._drawn.pop(STDERR, None) is not None:
+            self.err.file.write("\n")
         if self.err.is_terminal:
             self.err.print(Text(text, style=style))
         else:
@@ -73,7 +92,11 @@ class WorkerOutput:
             self.files = {STDOUT: open(log_dir / "stdout.log", "ab"), STDERR: open(log_dir / "stderr.log", "ab")}
 
     def feed(self, stream: int, data: bytes) -> None:
-        """Take a chunk read from a pipe; emit every complete line in it; empty ``data`` means EOF."""
+        """Take a chunk read from a pipe; emit every complete line in it; empty ``data`` means EOF.
+
+        What follows the last newline is kept for the next chunk; if it holds a carriage return, the text
+        after it is a progress bar's update, drawn in place at once.
+        """
         if stream in self.files and data:
             self.files[stream].write(data)
             self.files[stream].flush()
@@ -82,16 +105,22 @@ class WorkerOutput:
             if rest:
                 self._emit(stream, rest)
             return
-        *lines, self.partial[stream] = (self.partial[stream] + data).split(b"\n")
+        *lines, rest = (self.partial[stream] + data).split(b"\n")
         for line in lines:
             self._emit(stream, line)
+        if b"\r" in rest:
+            rest = rest[rest.rindex(b"\r"):]  # what came before it is overwritten on the screen
+            shown = _last_segment(rest)
+            if shown and self.to_console & stream:
+                self.console.update(stream, self.prefix, self.colour, shown, owner=self)
+        self.partial[stream] = rest
 
     def _emit(self, stream: int, raw: bytes) -> None:
-        text = raw.decode("utf-8", "replace").rstrip("\r")
+        text = _last_segment(raw)
         if stream == STDERR:
             self.stderr_tail.append(text)
         if self.to_console & stream:
-            self.console.line(stream, self.prefix, self.colour, text)
+            self.console.line(stream, self.prefix, self.colour, text, owner=self)
 
     def close(self) -> None:
         """Flush partial lines and close the log files."""
@@ -99,3 +128,9 @@ class WorkerOutput:
             self.feed(stream, b"")
         for f in self.files.values():
             f.close()
+
+
+def _last_segment(raw: bytes) -> str:
+    """The text a terminal shows of a line with carriage returns in it: its last non-empty segment."""
+    segments = [segment for segment in raw.split(b"\r") if segment]
+    return segments[-1].decode("utf-8", "replace") if segments else ""
