@@ -24,6 +24,7 @@ from ftrun.agent.workers import Worker, WorkerSlot, spawn_worker
 from ftrun.config import STDERR, STDOUT, LaunchConfig
 from ftrun.errors import EXIT_OK, EXIT_SIGNAL_BASE, EXIT_WORKERS_FAILED
 from ftrun.events import EventLog
+from ftrun.nccl import startup_notices
 from ftrun.protocol import UID_STRIDE
 from ftrun.store import StoreHost
 
@@ -155,6 +156,8 @@ class Agent:
                                 style="dim")
             if store is None:
                 store = self.store = self._open_store()
+                for text, style in startup_notices():  # torch is loaded now (for the store): nothing imported for this
+                    self.console.notice(text, style=style)
             self.coordinator = Coordinator(self, store) if self.leader else Relay(self, store, self.lease)
             if isinstance(self.coordinator, Relay):
                 for worker in self.workers.values():
