@@ -256,6 +256,21 @@ def inject(
     print(job.inject(message)["message"])
 
 
+@app.command(context_settings=_HELP)
+def report(
+    run: Optional[str] = typer.Argument(None, help="A run directory, a folder of runs (its newest), or a run id "
+                                                   "(default: the newest run)."),
+    log_dir: Optional[Path] = typer.Option(None, "--log-dir", help="Where to look for a run id: the job's --log-dir."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="The SVG file to write "
+                                                                      "(default: report.svg in the run directory)."),
+) -> None:
+    """Draw a run's timeline into an SVG file: world size, step rate, faults, each recovery's phases, and the
+    loss where the workers printed it (step=N loss=X, kept with --log-dir)."""
+    from ftrun.report.command import report as draw
+
+    print(draw(run, log_dir, output))
+
+
 def _with_default_command(argv: list[str], top_level: set[str]) -> list[str]:
     """`ftrun [flags] script.py` means `ftrun run [flags] script.py`; ftrun's own top-level options stay."""
     if argv and argv[0] not in SUBCOMMANDS and argv[0] not in top_level:

@@ -1,4 +1,9 @@
-"""The run's event log: one JSON object per line for every start, fault, generation, recovery and end."""
+"""The run's event log: one JSON object per line for every start, fault, generation, recovery and end.
+
+Every record carries the schema version ``v``, its wall-clock ``time`` and its ``event`` name; the README
+("The event log") lists every event and its fields. A change that renames or removes a field, or changes its
+meaning, raises SCHEMA_VERSION; new events and new fields do not.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+SCHEMA_VERSION = 1
+"""The version of the records' layout, written as ``v`` in every record."""
 
 
 class EventLog:
@@ -21,7 +29,7 @@ class EventLog:
 
     def write(self, event: str, **fields: Any) -> dict[str, Any]:
         """Record one ``event`` with its fields and the wall-clock time; returns the record."""
-        record = {"time": round(time.time(), 6), "event": event, **fields}
+        record = {"v": SCHEMA_VERSION, "time": round(time.time(), 6), "event": event, **fields}
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
         self._file.flush()
         for listener in self.listeners:

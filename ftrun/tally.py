@@ -18,6 +18,9 @@ NOTABLE = frozenset({"start", "fault", "hang", "gpu_health", "node_lost", "fence
 """Events worth showing a person watching the job: every kind the agent writes except the routine ones (each
 worker's start and exit, a joiner becoming ready, periodic progress), which the worker table shows."""
 
+RECOVERY_PHASES = ("detect", "plan", "abort", "rendezvous", "agree", "transfer", "first_step")
+"""The phases a ``recovery`` event times, in the order they happen."""
+
 RECENT_EVENTS = 20
 """How many notable events a tally keeps."""
 RECENT_RECOVERIES = 10

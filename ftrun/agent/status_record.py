@@ -30,6 +30,8 @@ STATUS_INTERVAL = 1.0
 """Seconds between two records."""
 RATE_WINDOW = 10.0
 """Seconds over which steps/s is measured."""
+PROGRESS_INTERVAL = 5.0
+"""Seconds between two ``progress`` events in the event log (about 90 KB of log an hour)."""
 
 GpuStatus = Callable[[], dict[int, dict[str, Any]]]
 """GPU health by local rank: gpu_index, util, mem_used, mem_total, temperature, ecc_uncorrected, last_xid,
@@ -60,6 +62,8 @@ class StatusPublisher:
         self.last_rank: dict[int, int] = {}  # uid -> the rank it held last (shown for workers that ended)
         self.rates: deque[tuple[float, int]] = deque()  # (time, highest committed step) over RATE_WINDOW
         self.next_publish = 0.0
+        self.logged_step: int | None = None  # the step of the last progress event
+        self.next_progress = 0.0  # wall clock: when the next progress event is due
 
     def tick(self, now: float) -> None:
         """Called from the agent's loop with time.monotonic(): publish when a record is due."""
@@ -70,12 +74,25 @@ class StatusPublisher:
     def publish(self) -> None:
         """Write this node's record, and the job's on the leader; skipped while the store cannot be reached."""
         store = self.agent.store
+        job = self.job_record() if self.agent.config.node_rank == 0 else None
+        if job is not None:
+            self._log_progress(job)
         try:
             store.set(control.status_node_key(self.agent.config.node_rank), json.dumps(self.node_record()))
-            if self.agent.config.node_rank == 0:
-                store.set(control.STATUS_JOB_KEY, json.dumps(self.job_record()))
+            if job is not None:
+                store.set(control.STATUS_JOB_KEY, json.dumps(job))
         except RuntimeError:  # torch's store errors: a lasting loss of the store is the lease's business
             pass
+
+    def _log_progress(self, job: dict[str, Any]) -> None:
+        """A ``progress`` event every PROGRESS_INTERVAL seconds while steps commit: the step rate over the
+        run, for `ftrun report`."""
+        if job["step"] is None or job["step"] == self.logged_step or job["time"] < self.next_progress:
+            return
+        self.logged_step, self.next_progress = job["step"], job["time"] + PROGRESS_INTERVAL
+        rate = job["steps_per_s"]
+        self.agent.events.write("progress", step=job["step"], steps_per_s=None if rate is None else round(rate, 3),
+                                world_size=job["world_size"], gen=job["generation"])
 
     # ------------------------------------------------------------ records
     def node_record(self) -> dict[str, Any]:

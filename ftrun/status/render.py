@@ -10,11 +10,12 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from ftrun.tally import RECOVERY_PHASES
+
 NONE = "-"
 HEALTH_STYLE = {"healthy": "bold green", "degraded": "bold yellow", "ended": "bold"}
 STATE_STYLE = {"running": "green", "recovering": "yellow", "hung": "bold red", "lost": "red", "spare": "cyan",
                "joining": "cyan", "finished": "dim", "stopped": "dim"}
-PHASES = ("detect", "plan", "abort", "rendezvous", "agree", "transfer", "first_step")
 
 
 def duration(seconds: float | None) -> str:
@@ -70,7 +71,7 @@ def recovery_line(doc: dict[str, Any]) -> Text:
     last = recoveries["last"]
     if last is None:
         return Text("recoveries 0", style="dim")
-    phases = " ".join(f"{name} {last['phases'][name] * 1000:.0f}" for name in PHASES if name in last["phases"])
+    phases = " ".join(f"{name} {last['phases'][name] * 1000:.0f}" for name in RECOVERY_PHASES if name in last["phases"])
     return Text(f"recoveries {recoveries['count']}: last {last['latency']:.3f} s ({phases} ms), "
                 f"median {recoveries['median_latency']:.3f} s")
 
@@ -136,7 +137,7 @@ def describe(event: dict[str, Any]) -> str:
     words = DESCRIPTIONS.get(event["event"])
     if words is not None:
         return words(event)
-    rest = {k: v for k, v in event.items() if k not in ("time", "event")}
+    rest = {k: v for k, v in event.items() if k not in ("v", "time", "event")}
     return " ".join(f"{k}={v}" for k, v in rest.items())
 
 
