@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
@@ -13,55 +13,114 @@ try:  # recent typer releases bundle their own copy of click (and no longer depe
 except ImportError:
     from click import exceptions as click_exceptions
 
+from ftrun import __version__
+from ftrun.argv import expand_abbreviations
 from ftrun.config import RecoveryConfig, build_config
 from ftrun.errors import EXIT_USAGE, UsageError
 
 
 _ABORTS = (typer.Abort, getattr(click_exceptions, "Abort", typer.Abort))
 
+_HELP = {"help_option_names": ["-h", "--help"]}
+
 app = typer.Typer(
     name="ftrun",
     help="A fault-tolerant torchrun: survivors keep training in place when a worker dies.\n\n"
     "ftrun FLAGS script.py ARGS is short for ftrun run FLAGS script.py ARGS.",
     no_args_is_help=True,
-    add_completion=False,
+    context_settings=_HELP,
     pretty_exceptions_enable=False,
 )
 
 SUBCOMMANDS = {"run"}
 
+TORCHRUN_PANEL = "torchrun's flags (same spellings, PET_* variables and defaults)"
+RECOVERY_PANEL = "ftrun: recovery in place"
+NODES_PANEL = "ftrun: several nodes"
+HEALTH_PANEL = "ftrun: hangs, GPU health and metrics"
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        print(f"ftrun {__version__}")
+        raise typer.Exit()
+
 
 @app.callback()
-def _group() -> None:
+def _group(version: bool = typer.Option(False, "--version", is_eager=True, callback=_show_version,
+                                        help="Print ftrun's version and exit.")) -> None:
     """A fault-tolerant torchrun: survivors keep training in place when a worker dies.
 
     `ftrun [flags] script.py [args]` is short for `ftrun run [flags] script.py [args]`.
     """
-_RUN_CONTEXT = {"allow_interspersed_args": False, "ignore_unknown_options": False,
-                "help_option_names": ["-h", "--help"]}
 
 
-def _opt(*names: str, help: str, **kwargs):
-    """A torchrun-compatible option: both spellings, and the PET_<NAME> environment variable."""
-    env = "PET_" + names[0].lstrip("-").replace("-", "_").upper()
+_RUN_CONTEXT = {"allow_interspersed_args": False, "ignore_unknown_options": False, **_HELP}
+
+
+def _opt(*names: str, help: str, env: bool = True, **kwargs: Any) -> Any:
+    """One of torchrun's options, in its panel: all its spellings and, where torchrun reads one (its ``env``
+    and ``check_env`` actions), the variable PET_<DEST>, DEST being the first long spelling, as argparse makes it."""
+    dest = next(n for n in names if n.startswith("--")).lstrip("-").replace("-", "_")
     default = kwargs.pop("default", None)
-    return typer.Option(default, *names, envvar=env, help=help, show_envvar=False, **kwargs)
+    return typer.Option(default, *names, envvar=f"PET_{dest.upper()}" if env else None, help=help,
+                        show_envvar=False, rich_help_panel=TORCHRUN_PANEL, **kwargs)
+
+
+def _print_completion(shell: Optional[str]) -> None:
+    """torchrun's --print-completion SHELL: print ftrun's completion script (typer's) and exit."""
+    if shell is None:
+        return
+    try:
+        from typer._completion_shared import Shells, get_completion_script
+    except ImportError:  # an older or newer typer without it: its own option still works
+        raise UsageError("--print-completion is not available with this typer; use ftrun --show-completion") from None
+    shells = [s.value for s in Shells]
+    if shell not in shells:
+        raise UsageError(f"--print-completion {shell}: ftrun completes {', '.join(shells)}")
+    print(get_completion_script(prog_name="ftrun", complete_var="_FTRUN_COMPLETE", shell=shell))
+    raise typer.Exit()
 
 
 @app.command(context_settings=_RUN_CONTEXT)
 def run(
     script: str = typer.Argument(..., help="Training script (or module with -m, or program with --no-python)."),
     script_args: Optional[list[str]] = typer.Argument(None, help="Arguments passed to the script."),
+    # ftrun's own flags, first in the help
+    no_recovery: bool = typer.Option(False, "--no-recovery", rich_help_panel=RECOVERY_PANEL,
+                                     help="Never recover in place: group restarts only, as torchrun."),
+    respawn: bool = typer.Option(False, "--respawn", rich_help_panel=RECOVERY_PANEL,
+                                 help="Restart a lost worker; it rejoins with a peer's state."),
+    spares: int = typer.Option(0, "--spares", rich_help_panel=RECOVERY_PANEL,
+                               help="Idle workers started up front that replace lost ones at once."),
+    min_nproc: int = typer.Option(1, "--min-nproc", rich_help_panel=RECOVERY_PANEL,
+                                  help="Below this many workers, wait for joiners, then restart."),
+    recovery_timeout: float = typer.Option(RecoveryConfig.recovery_timeout, "--recovery-timeout",
+                                           rich_help_panel=RECOVERY_PANEL,
+                                           help="Seconds an in-place recovery may take before a group restart."),
+    join_timeout: float = typer.Option(RecoveryConfig.join_timeout, "--join-timeout", rich_help_panel=RECOVERY_PANEL,
+                                       help="Seconds to wait for joiners when below --min-nproc."),
+    hang_timeout: Optional[float] = typer.Option(
+        None, "--hang-timeout", rich_help_panel=HEALTH_PANEL,
+        help="Seconds without progress before a rank is declared hung (default: adaptive, 10x the median step)."),
+    xid_policy: Optional[str] = typer.Option(
+        None, "--xid-policy", metavar="FILE", rich_help_panel=HEALTH_PANEL,
+        help="TOML or JSON file of Xid overrides: a table xid of code = action, e.g. 13 = \"evict_gpu\"."),
+    hostfile: Optional[str] = typer.Option(
+        None, "--hostfile", rich_help_panel=NODES_PANEL,
+        help="Start one agent per host of this file (over ssh; local hosts directly)."),
+    hosts: Optional[str] = typer.Option(None, "-H", "--hosts", rich_help_panel=NODES_PANEL,
+                                        help="Hosts as a list, like host1:4,host2:4."),
+    node_timeout: float = typer.Option(
+        10.0, "--node-timeout", rich_help_panel=NODES_PANEL,
+        help="Seconds without a lease renewal before a node is declared lost (and fences)."),
+    metrics_port: Optional[int] = typer.Option(
+        None, "--metrics-port", metavar="PORT", rich_help_panel=HEALTH_PANEL,
+        help="Serve Prometheus metrics on this port (each node's agent, all interfaces; read-only)."),
+    # torchrun's flags, in torchrun's order
+    nnodes: str = _opt("--nnodes", help="Number of nodes, N (MIN:MAX ranges are refused).", default="1:1"),
     nproc_per_node: Optional[str] = _opt("--nproc-per-node", "--nproc_per_node",
                                          help="Workers per node: N, gpu, cpu or auto. Default: one per visible GPU, else 1."),
-    nnodes: str = _opt("--nnodes", help="Number of nodes, N or MIN:MAX.", default="1:1"),
-    node_rank: Optional[int] = _opt("--node-rank", "--node_rank",
-                                    help="Rank of this node (default 0, or SLURM_NODEID under Slurm)."),
-    master_addr: Optional[str] = _opt("--master-addr", "--master_addr",
-                                      help="Address of the store host (static rendezvous; default 127.0.0.1, "
-                                      "with --hostfile this machine's name)."),
-    master_port: Optional[int] = _opt("--master-port", "--master_port",
-                                      help="Port of the store (static rendezvous). Default: a free port."),
     rdzv_backend: str = _opt("--rdzv-backend", "--rdzv_backend", help="static or c10d (ftrun hosts the store).",
                              default="static"),
     rdzv_endpoint: str = _opt("--rdzv-endpoint", "--rdzv_endpoint", help="Store endpoint HOST:PORT.", default=""),
@@ -77,7 +136,8 @@ def run(
                              help="spawn, fork or forkserver (accepted; scripts always start as processes).",
                              default="spawn"),
     event_log_handler: str = _opt("--event-log-handler", "--event_log_handler",
-                                  help="torchrun's event handler; ftrun writes events.jsonl instead.", default="null"),
+                                  help="torchrun's event handler: only null (ftrun writes events.jsonl).",
+                                  default="null"),
     role: str = _opt("--role", help="Role name of the workers (ROLE_NAME).", default="default"),
     module: bool = _opt("-m", "--module", help="Run the script as a module, like python -m.", default=False),
     no_python: bool = _opt("--no-python", "--no_python", help="Run the script directly, not with python.",
@@ -87,20 +147,29 @@ def run(
                                   help="Write <run>/attempt_<n>/<local_rank>/{stdout,stderr}.log, error.json here."),
     redirects: str = _opt("-r", "--redirects", help="Streams kept off the console, file only: 0-3 or RANK:MASK,...",
                           default="0"),
-    tee: str = _opt("-t", "--tee", help="Streams to console and file (ftrun always tees with --log-dir).",
-                    default="0"),
-    log_line_prefix_template: str = _opt("--log-line-prefix-template", "--log_line_prefix_template",
-                                         help="Prefix of console lines: ${role_name} ${rank} ${local_rank} ${hostname}.",
-                                         default=""),
+    tee: str = _opt("-t", "--tee", help="Streams to console and file; wins over --redirects (ftrun always "
+                                        "shows and, with --log-dir, keeps both streams).", default="0"),
+    log_line_prefix_template: Optional[str] = _opt(
+        "--log-line-prefix-template", "--log_line_prefix_template",
+        help="Prefix of console lines, as given (e.g. '[${rank}] '): ${role_name} ${rank} ${local_rank} ${hostname}; "
+             "'' for none. Default: TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE, else '[${role_name}${rank}]: '."),
     local_ranks_filter: str = _opt("--local-ranks-filter", "--local_ranks_filter",
                                    help="Only show these local ranks on the console, e.g. 0,1.", default=""),
     duplicate_stdout_filters: str = _opt("--duplicate-stdout-filters", "--duplicate_stdout_filters",
-                                         help="Not supported.", default="", hidden=True),
+                                         help="Refused: no equivalent yet.", default=""),
     duplicate_stderr_filters: str = _opt("--duplicate-stderr-filters", "--duplicate_stderr_filters",
-                                         help="Not supported.", default="", hidden=True),
+                                         help="Refused: no equivalent yet.", default=""),
+    node_rank: Optional[int] = _opt("--node-rank", "--node_rank",
+                                    help="Rank of this node (default 0, or SLURM_NODEID under Slurm)."),
+    master_addr: Optional[str] = _opt("--master-addr", "--master_addr",
+                                      help="Address of the store host (static rendezvous; default 127.0.0.1, "
+                                      "with --hostfile this machine's name)."),
+    master_port: Optional[int] = _opt("--master-port", "--master_port",
+                                      help="Port of the store (static rendezvous). Default: a free port."),
     local_addr: Optional[str] = _opt("--local-addr", "--local_addr", help="Address of this node."),
-    logs_specs: Optional[str] = _opt("--logs-specs", "--logs_specs", help="Not supported.", hidden=True),
-    numa_binding: Optional[str] = _opt("--numa-binding", "--numa_binding", help="Not supported.", hidden=True),
+    logs_specs: Optional[str] = _opt("--logs-specs", "--logs_specs", env=False, help="Refused: no equivalent yet."),
+    numa_binding: Optional[str] = _opt("--numa-binding", "--numa_binding", env=False,
+                                       help="Refused: no equivalent yet."),
     signals_to_handle: str = _opt("--signals-to-handle", "--signals_to_handle",
                                   help="Signals forwarded to the workers.", default="SIGTERM,SIGINT,SIGHUP,SIGQUIT"),
     shutdown_timeout: Optional[float] = _opt("--shutdown-timeout", "--shutdown_timeout",
@@ -108,28 +177,9 @@ def run(
     virtual_local_rank: bool = _opt("--virtual-local-rank", "--virtual_local_rank",
                                     help="LOCAL_RANK=0 and one GPU per worker through CUDA_VISIBLE_DEVICES.",
                                     default=False),
-    no_recovery: bool = typer.Option(False, "--no-recovery", help="Never recover in place: group restarts only."),
-    respawn: bool = typer.Option(False, "--respawn", help="Restart a lost worker; it rejoins with a peer's state."),
-    spares: int = typer.Option(0, "--spares", help="Idle workers started up front that replace lost ones at once."),
-    min_nproc: int = typer.Option(1, "--min-nproc", help="Below this many workers, wait for joiners, then restart."),
-    recovery_timeout: float = typer.Option(RecoveryConfig.recovery_timeout, "--recovery-timeout",
-                                           help="Seconds an in-place recovery may take before a group restart."),
-    join_timeout: float = typer.Option(RecoveryConfig.join_timeout, "--join-timeout",
-                                       help="Seconds to wait for joiners when below --min-nproc."),
-    hostfile: Optional[str] = typer.Option(
-        None, "--hostfile", help="Start one agent per host of this file (over ssh; local hosts directly)."),
-    hosts: Optional[str] = typer.Option(None, "-H", "--hosts", help="Hosts as a list, like host1:4,host2:4."),
-    node_timeout: float = typer.Option(
-        10.0, "--node-timeout", help="Seconds without a lease renewal before a node is declared lost (and fences)."),
-    metrics_port: Optional[int] = typer.Option(
-        None, "--metrics-port", metavar="PORT",
-        help="Serve Prometheus metrics on this port (each node's agent, all interfaces; read-only)."),
-    hang_timeout: Optional[float] = typer.Option(
-        None, "--hang-timeout",
-        help="Seconds without progress before a rank is declared hung (default: adaptive, 10x the median step)."),
-    xid_policy: Optional[str] = typer.Option(
-        None, "--xid-policy", metavar="FILE",
-        help="TOML or JSON file of Xid overrides: a table xid of code = action, e.g. 13 = \"evict_gpu\"."),
+    print_completion: Optional[str] = _opt("--print-completion", "--print_completion", env=False, metavar="SHELL",
+                                           is_eager=True, callback=_print_completion, expose_value=False,
+                                           help="Print ftrun's shell completion script for SHELL and exit."),
 ) -> None:
     """Launch SCRIPT on this node as torchrun would, recovering in place from worker faults."""
     config = build_config(
@@ -163,7 +213,7 @@ def agent() -> None:
     raise typer.Exit(launch_handed_off())
 
 
-@app.command(context_settings={"help_option_names": ["-h", "--help"]})
+@app.command(context_settings=_HELP)
 def status(
     endpoint: Optional[str] = typer.Option(None, "--endpoint", help="HOST:PORT of the job's store (from anywhere)."),
     run_id: Optional[str] = typer.Option(None, "--run-id", help="The job's run id (or --rdzv-id); "
@@ -182,7 +232,7 @@ def status(
     raise typer.Exit(show(endpoint, run_id, log_dir, as_json, watch))
 
 
-@app.command(context_settings={"help_option_names": ["-h", "--help"]})
+@app.command(context_settings=_HELP)
 def inject(
     kind: str = typer.Argument(..., help="kill, hang, exception, xid CODE, ecc [COUNT], slow SECONDS, or chaos."),
     value: Optional[str] = typer.Argument(None, help="xid: the Xid code; ecc: the error count (1); "
@@ -210,26 +260,57 @@ def inject(
         if rank is not None or value is not None:
             raise UsageError("inject chaos picks its ranks itself: drop --rank and the value")
         chosen = injection.parse_kinds(kinds)
-        job = injection.Job.connect(injection.job_endpoint(run_id, endpoint))
+        job = injection.Job.connect(injection.job_endpoint(run_id, endpoint), registered=endpoint is None)
         raise typer.Exit(injection.run_chaos(job, mtbf, duration, chosen, seed))
     message = injection.drill_message(kind, value, rank, duration_of_slow)
-    job = injection.Job.connect(injection.job_endpoint(run_id, endpoint))
+    job = injection.Job.connect(injection.job_endpoint(run_id, endpoint), registered=endpoint is None)
     print(job.inject(message)["message"])
 
 
-def _with_default_command(argv: list[str]) -> list[str]:
-    """`ftrun [flags] script.py` means `ftrun run [flags] script.py`."""
-    if argv and argv[0] not in SUBCOMMANDS and argv[0] not in ("--help", "-h"):
+@app.command(context_settings=_HELP)
+def report(
+    run: Optional[str] = typer.Argument(None, help="A run directory, a folder of runs (its newest), or a run id "
+                                                   "(default: the newest run)."),
+    log_dir: Optional[Path] = typer.Option(None, "--log-dir", help="Where to look for a run id: the job's --log-dir."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="The SVG file to write "
+                                                                      "(default: report.svg in the run directory)."),
+) -> None:
+    """Draw a run's timeline into an SVG file: world size, step rate, faults, each recovery's phases, and the
+    loss where the workers printed it (step=N loss=X, kept with --log-dir)."""
+    from ftrun.report.command import report as draw
+
+    print(draw(run, log_dir, output))
+
+
+def _with_default_command(argv: list[str], top_level: set[str]) -> list[str]:
+    """`ftrun [flags] script.py` means `ftrun run [flags] script.py`; ftrun's own top-level options stay."""
+    if argv and argv[0] not in SUBCOMMANDS and argv[0] not in top_level:
         return ["run", *argv]
     return argv
 
 
+def _option_names(command: Any) -> dict[str, bool]:
+    """Every option spelling of a click command -> whether it takes a value."""
+    return {name: not param.is_flag for param in command.params if param.param_type_name == "option"
+            for name in (*param.opts, *param.secondary_opts)}
+
+
+def _spelled_out(run_command: Any, args: list[str]) -> list[str]:
+    """``ftrun run`` arguments with argparse-style abbreviations of torchrun's flags written out."""
+    torchrun = [name for param in run_command.params if getattr(param, "rich_help_panel", None) == TORCHRUN_PANEL
+                for name in param.opts if name.startswith("--")]
+    return expand_abbreviations(args, {**_option_names(run_command), "--help": False}, ["--help", *torchrun])
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: one clear line and exit code 2 for bad input, never a traceback."""
-    SUBCOMMANDS.update(app.registered_commands and [c.name or c.callback.__name__ for c in app.registered_commands])
-    args = _with_default_command(list(sys.argv[1:] if argv is None else argv))
     command = typer.main.get_command(app)
+    SUBCOMMANDS.update(command.commands)
     try:
+        args = _with_default_command(list(sys.argv[1:] if argv is None else argv),
+                                     {*_option_names(command), *_HELP["help_option_names"]})
+        if args[:1] == ["run"]:
+            args = ["run", *_spelled_out(command.commands["run"], args[1:])]
         code = command.main(args, prog_name="ftrun", standalone_mode=False)
     except click_exceptions.UsageError as exc:
         if not exc.format_message():  # no arguments at all: the help was shown, nothing more to say

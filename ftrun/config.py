@@ -40,6 +40,23 @@ def parse_std_spec(spec: str, flag: str, nproc: int) -> dict[int, int]:
     return masks
 
 
+def kept_off_console(redirects: dict[int, int], tee: dict[int, int]) -> dict[int, int]:
+    """Streams kept off the console, by local rank: those --redirects names, unless --tee names them too
+    (torchrun tees a stream that is both redirected and tee'd)."""
+    return {rank: mask & ~tee.get(rank, 0) for rank, mask in redirects.items()}
+
+
+def prefix_template(given: str | None, multinode: bool) -> str:
+    """The console prefix of worker lines: --log-line-prefix-template as given, else
+    TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE (as torchrun reads it), else ftrun's default, ``[default0]: ``
+    (``[host:0]: `` across nodes). The prefix is printed as is: an empty template means no prefix."""
+    if given is None:
+        given = os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE")
+    if given is not None:
+        return given
+    return "[${hostname}:${rank}]: " if multinode else "[${role_name}${rank}]: "
+
+
 def parse_nnodes(value: str) -> tuple[int, int]:
     """Parse torchrun's --nnodes ``N`` or ``MIN:MAX``."""
     try:
@@ -148,10 +165,10 @@ class LaunchConfig:
     monitor_interval: float = 0.1
     role: str = "default"
     log_dir: Path | None = None
-    redirects: dict[int, int] = field(default_factory=dict)
+    redirects: dict[int, int] = field(default_factory=dict)  # streams kept off the console: --redirects, less --tee
     tee: dict[int, int] = field(default_factory=dict)
     local_ranks_filter: set[int] | None = None
-    log_line_prefix_template: str = "[${role_name}${rank}]:"
+    log_line_prefix_template: str = "[${role_name}${rank}]: "  # printed as is before each line ('': none)
     local_addr: str | None = None
     signals_to_handle: list[signal.Signals] = field(default_factory=list)
     shutdown_timeout: float = 30.0
@@ -255,7 +272,7 @@ def build_config(
     local_addr: str | None,
     signals_to_handle: str,
     shutdown_timeout: float | None,
-    log_line_prefix_template: str,
+    log_line_prefix_template: str | None,
     virtual_local_rank: bool,
     unsupported: dict[str, object],
     recovery: RecoveryConfig,
@@ -324,6 +341,7 @@ def build_config(
         except ValueError:
             raise UsageError(f"--local-ranks-filter {local_ranks_filter!r} is not valid: use ranks like 0,1,2") from None
     log_path = _writable_log_dir(log_dir) if log_dir else None
+    tee_masks = parse_std_spec(tee, "--tee", max(node_sizes, default=nproc))
     if recovery.spares < 0:
         raise UsageError("--spares must be 0 or more")
     for flag, seconds in (("--recovery-timeout", recovery.recovery_timeout), ("--join-timeout", recovery.join_timeout),
@@ -355,11 +373,11 @@ def build_config(
         monitor_interval=monitor_interval,
         role=role,
         log_dir=log_path,
-        redirects=parse_std_spec(redirects, "--redirects", max(node_sizes, default=nproc)),
-        tee=parse_std_spec(tee, "--tee", max(node_sizes, default=nproc)),
+        redirects=kept_off_console(parse_std_spec(redirects, "--redirects", max(node_sizes, default=nproc)),
+                                   tee_masks),
+        tee=tee_masks,
         local_ranks_filter=ranks_filter,
-        log_line_prefix_template=log_line_prefix_template or (
-            "[${hostname}:${rank}]:" if max_nodes > 1 or hosts else "[${role_name}${rank}]:"),
+        log_line_prefix_template=prefix_template(log_line_prefix_template, multinode=max_nodes > 1 or bool(hosts)),
         local_addr=local_addr,
         signals_to_handle=parse_signals(signals_to_handle),
         shutdown_timeout=shutdown_timeout,

@@ -16,28 +16,33 @@ STDOUT, STDERR = 1, 2
 class Console:
     """The two console streams of a launcher or agent; rich colours on a terminal, plain text otherwise.
 
-    A progress line (what the job waits for) stays at the bottom of a terminal, redrawn below each line
-    printed; without a terminal each new kind of wait is printed once, as a notice.
+    A worker's unfinished line that ends in a carriage return (a progress bar) is drawn in place at once; the
+    next output of the same worker goes over it, another worker's output goes on the next line. A progress
+    line (what the job waits for) stays at the bottom of a terminal, redrawn below each line printed; without
+    a terminal each new kind of wait is printed once, as a notice.
     """
 
     def __init__(self) -> None:
         self.out = RichConsole(file=sys.stdout, highlight=False, soft_wrap=True)
         self.err = RichConsole(file=sys.stderr, highlight=False, soft_wrap=True)
+        self._drawn: dict[int, object] = {}  # stream -> the owner of the line drawn in place there, not ended
         self._progress: str | None = None
         self._progress_said: str | None = None  # the kind of wait last printed without a terminal
 
-    def line(self, stream: int, prefix: str, colour: str, text: str) -> None:
-        """Print one worker line with its prefix."""
-        console = self.out if stream == STDOUT else self.err
-        if console.is_terminal:
-            with self._below():
-                console.print(Text(prefix, style=colour) + Text(" " + text))
-        else:
-            console.file.write(f"{prefix} {text}\n")
-            console.file.flush()
+    def line(self, stream: int, prefix: str, colour: str, text: str, owner: object = None) -> None:
+        """Print one worker line after its prefix (the prefix as is: it ends with a space if one is wanted)."""
+        self._write(stream, prefix, colour, text, owner, "\n")
+        self._drawn.pop(stream, None)
+
+    def update(self, stream: int, prefix: str, colour: str, text: str, owner: object) -> None:
+        """Draw ``owner``'s unfinished line in place: no newline, overwritten by its next update or line."""
+        self._write(stream, prefix, colour, text, owner, "")
+        self._drawn[stream] = owner
 
     def notice(self, text: str, style: str = "bold") -> None:
         """Print one line of ftrun's own on stderr (bold when a terminal)."""
+        if self._drawn.pop(STDERR, None) is not None:
+            self.err.file.write("\n")
         if self.err.is_terminal:
             with self._below():
                 self.err.print(Text(text, style=style))
@@ -56,6 +61,18 @@ class Console:
         if kind is not None and kind != self._progress_said:
             self.notice(f"ftrun: {text}")
         self._progress_said = kind
+
+    def _write(self, stream: int, prefix: str, colour: str, text: str, owner: object, end: str) -> None:
+        console = self.out if stream == STDOUT else self.err
+        drawn = self._drawn.get(stream)
+        if drawn is not None:  # back over the owner's own line (erasing it on a terminal), else below another's
+            console.file.write(("\r\x1b[K" if console.is_terminal else "\r") if drawn is owner else "\n")
+        if console.is_terminal:
+            with self._below():
+                console.print(Text(prefix, style=colour) + Text(text), end=end)
+        else:
+            console.file.write(f"{prefix}{text}{end}")
+        console.file.flush()
 
     @contextmanager
     def _below(self) -> Iterator[None]:

@@ -2,7 +2,9 @@
 
 Every kind of event ftrun writes is declared here with its fields, and :meth:`EventLog.write` refuses a
 record that does not match its declaration, so the log's schema (README, "The event log") cannot drift
-from the code. Each record also carries ``time`` (wall clock, seconds) and ``event`` (its kind's name).
+from the code. Every record also carries the schema version ``v``, its wall-clock ``time`` and its ``event``
+name. A change that renames or removes a field, or changes its meaning, raises SCHEMA_VERSION; new events and
+new fields do not.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+SCHEMA_VERSION = 1
+"""The version of the records' layout, written as ``v`` in every record."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,8 @@ JOINER_LOST = EventKind("joiner_lost", ("uid", "how"))
 """A joiner ended before it was placed."""
 GROUP_FAILURE = EventKind("group_failure", ("reason",))
 """The attempt is being ended: every worker of this node is stopped."""
+PROGRESS = EventKind("progress", ("step", "steps_per_s", "world_size", "gen"))
+"""Written by the leader every few seconds while steps commit: the step rate over the run (``ftrun report``)."""
 RESUMED = EventKind("resumed", ("attempt", "step", "latency"))
 """The first step committed after a group restart; ``latency``: seconds since the failure that caused it."""
 ATTEMPT_END = EventKind("attempt_end", ("attempt", "succeeded", "signal", "reason", "last_step"))
@@ -76,7 +83,7 @@ GPU_HEALTH = EventKind("gpu_health", ("kind", "gpu", "local_rank", "value", "act
 
 KINDS: dict[str, EventKind] = {kind.name: kind for kind in (
     START, WORKER_START, WORKER_EXIT, FAULT, GENERATION, RECOVERY, RECOVERY_REFUSED, RECOVERY_FAILED, RESCUE,
-    JOINER_READY, JOINER_LOST, GROUP_FAILURE, RESUMED, ATTEMPT_END, END, HANG, INJECT, NODE_LOST, FENCED, GPU_HEALTH)}
+    JOINER_READY, JOINER_LOST, GROUP_FAILURE, PROGRESS, RESUMED, ATTEMPT_END, END, HANG, INJECT, NODE_LOST, FENCED, GPU_HEALTH)}
 """Every kind of event, by name."""
 
 
@@ -93,7 +100,7 @@ class EventLog:
     def write(self, kind: EventKind, /, **fields: Any) -> dict[str, Any]:
         """Record one event of ``kind`` with its fields and the wall-clock time; returns the record."""
         kind.check(fields)
-        record = {"time": round(time.time(), 6), "event": kind.name, **fields}
+        record = {"v": SCHEMA_VERSION, "time": round(time.time(), 6), "event": kind.name, **fields}
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
         self._file.flush()
         for listener in self.listeners:

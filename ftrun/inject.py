@@ -22,7 +22,7 @@ from ftrun.errors import UsageError
 from ftrun.lines import LineBuffer
 from ftrun.protocol import DRILL_KINDS
 from ftrun.store import keys
-from ftrun.store.client import connect
+from ftrun.store.client import STORE_START_WAIT, connect
 from ftrun.store.job import JobStore, MalformedValue
 
 CHAOS_KINDS = ("kill", "hang", "exception", "xid", "ecc")
@@ -89,9 +89,10 @@ class Job:
     info: dict[str, Any]
 
     @classmethod
-    def connect(cls, endpoint: str) -> Job:
-        """Connect to the job at HOST:PORT; UsageError when it is not an ftrun job."""
-        store = JobStore(connect(endpoint))
+    def connect(cls, endpoint: str, registered: bool = False) -> Job:
+        """Connect to the job at HOST:PORT (``registered``: found in this machine's registry, so its store
+        may not be served yet); UsageError when it is not an ftrun job."""
+        store = JobStore(connect(endpoint, connect_timeout=STORE_START_WAIT if registered else None))
         try:  # a job that has just started writes it right after its workers
             info = store.read_job(JOB_KEY_WAIT)
         except MalformedValue as exc:

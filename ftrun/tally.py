@@ -11,11 +11,17 @@ import statistics
 from collections import deque
 from typing import Any
 
+from ftrun import events
 from ftrun.processes import signal_name
 
-NOTABLE = frozenset({"start", "fault", "hang", "evict", "eviction", "generation", "recovery", "recovery_refused",
-                     "recovery_failed", "rescue", "group_failure", "attempt_end", "end"})
-"""Events worth showing a person watching the job (not every worker start or exit)."""
+ROUTINE = frozenset(kind.name for kind in (events.WORKER_START, events.WORKER_EXIT, events.JOINER_READY,
+                                           events.PROGRESS))
+"""Events too routine to list for a person watching the job: the worker table and the rate show them."""
+NOTABLE = frozenset(events.KINDS) - ROUTINE
+"""Events worth showing a person watching the job: every kind the agent writes but the routine ones."""
+
+RECOVERY_PHASES = ("detect", "plan", "abort", "rendezvous", "agree", "transfer", "first_step")
+"""The phases a ``recovery`` event times, in the order they happen."""
 
 RECENT_EVENTS = 20
 """How many notable events a tally keeps."""
@@ -24,7 +30,8 @@ RECENT_RECOVERIES = 10
 
 _EVENT_FIELDS = ("time", "event", "rank", "pid", "how", "gen", "world_size", "reason", "lost_ranks",
                  "world_before", "world_after", "latency", "steps_lost", "outcome", "attempt", "silent_for",
-                 "last_step", "signal")
+                 "last_step", "signal", "kind", "uid", "node", "ranks", "gpu", "local_rank", "value", "action",
+                 "args", "best_step")
 _RECOVERY_FIELDS = ("time", "kind", "gen", "latency", "phases", "lost_ranks", "world_before", "world_after",
                     "steps_lost", "resumed_at_step")
 

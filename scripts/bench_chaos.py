@@ -169,7 +169,7 @@ class Injector:
     def _through_agent(self, kind: str, rank: int) -> float:
         if self.job is None:
             (entry,) = [e for e in registry.running() if e.pid == self.launcher_pid]
-            self.job = inject.Job.connect(entry.endpoint)
+            self.job = inject.Job.connect(entry.endpoint, registered=True)
         try:
             return self.job.inject(inject.chaos_message(kind, rank))["time"]
         except UsageError as exc:

@@ -13,7 +13,7 @@ def test_progress_without_a_terminal_prints_each_kind_of_wait_once(capsys):
     console = Console()
     console.progress("waiting for joiners to reach --min-nproc 4: 2 of 4, 50 s left")
     console.progress("waiting for joiners to reach --min-nproc 4: 3 of 4, 49 s left")
-    console.line(STDOUT, "[default0]:", "cyan", "step=3 loss=0.5")
+    console.line(STDOUT, "[default0]: ", "cyan", "step=3 loss=0.5")
     console.progress(None)
     console.progress("waiting for joiners to reach --min-nproc 4: 3 of 4, 10 s left")  # a new wait
     out, err = capsys.readouterr()

@@ -33,6 +33,7 @@ from ftrun.config import LaunchConfig
 from ftrun.console import Console
 from ftrun.errors import EXIT_OK, EXIT_SIGNAL_BASE, EXIT_WORKERS_FAILED
 from ftrun.events import EventLog
+from ftrun.nccl import startup_notices
 from ftrun.processes import SignalWake, signal_name
 from ftrun.store import keys
 from ftrun.store.client import open_client, open_client_retrying
@@ -79,7 +80,7 @@ class Agent:
                                     local_ranks=config.nproc_per_node + config.recovery.spares,
                                     min_nproc=config.recovery.min_nproc)
         self.status = StatusPublisher(RunInfo(self.run_dir.name, config.run_id, str(self.run_dir), config.node_rank,
-                                              config.min_nodes, config.world_size), self.pool,
+                                              config.min_nodes, config.world_size), self.pool, self.log,
                                       self.gpu_health.gpu_status)
         self.log.listeners.append(self.status.tally.add)
         self.local_world = config.nproc_per_node
@@ -143,6 +144,8 @@ class Agent:
                                 style="dim")
             if self.store is None:
                 self.store = self._open_store(mail_w)
+                for text, style in startup_notices():  # torch is loaded now (for the store): nothing imported for this
+                    self.console.notice(text, style=style)
             self.coordination = self._coordination()
             self.status.coordination, self.status.attempt = self.coordination, self.restart_count
             for worker in self.pool.all():

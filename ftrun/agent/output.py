@@ -45,7 +45,11 @@ class WorkerOutput:
             self.files = {STDOUT: open(log_dir / "stdout.log", "ab"), STDERR: open(log_dir / "stderr.log", "ab")}
 
     def feed(self, stream: int, data: bytes) -> None:
-        """Take a chunk read from a pipe; emit every complete line in it; empty ``data`` means EOF."""
+        """Take a chunk read from a pipe; emit every complete line in it; empty ``data`` means EOF.
+
+        What follows the last newline is kept for the next chunk; if it holds a carriage return, the text
+        after it is a progress bar's update, drawn in place at once.
+        """
         if stream in self.files and data:
             self.files[stream].write(data)
             self.files[stream].flush()
@@ -54,15 +58,21 @@ class WorkerOutput:
             if rest:
                 self._emit(stream, rest)
             return
-        for line in self.lines[stream].feed(data):
+        lines = self.lines[stream]
+        for line in lines.feed(data):
             self._emit(stream, line)
+        if b"\r" in lines.partial:
+            lines.partial = lines.partial[lines.partial.rindex(b"\r"):]  # what came before is overwritten on screen
+            shown = _last_segment(lines.partial)
+            if shown and self.to_console & stream:
+                self.console.update(stream, self.prefix, self.colour, shown, owner=self)
 
     def _emit(self, stream: int, raw: bytes) -> None:
-        text = raw.decode("utf-8", "replace").rstrip("\r")
+        text = _last_segment(raw)
         if stream == STDERR:
             self.stderr_tail.append(text)
         if self.to_console & stream:
-            self.console.line(stream, self.prefix, self.colour, text)
+            self.console.line(stream, self.prefix, self.colour, text, owner=self)
 
     def close(self) -> None:
         """Flush partial lines and close the log files."""
@@ -70,3 +80,9 @@ class WorkerOutput:
             self.feed(stream, b"")
         for f in self.files.values():
             f.close()
+
+
+def _last_segment(raw: bytes) -> str:
+    """The text a terminal shows of a line with carriage returns in it: its last non-empty segment."""
+    segments = [segment for segment in raw.split(b"\r") if segment]
+    return segments[-1].decode("utf-8", "replace") if segments else ""

@@ -80,7 +80,7 @@ class WorkerPool:
         worker = spawn_worker(slot, config.command, env, attempt_dir / "error.json")
         prefix = render_prefix(config.log_line_prefix_template, config.role, shown_rank, local_rank, config.node_name)
         if joiner and respawn_of is None:
-            prefix = f"[spare{uid}]:"
+            prefix = f"[spare{uid}]: "
         console_mask = 0 if (config.local_ranks_filter is not None and local_rank not in config.local_ranks_filter) else 3
         console_mask &= ~config.redirects.get(local_rank, 0)
         self.workers[uid] = worker

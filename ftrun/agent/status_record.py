@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from ftrun.agent.ports import Coordination, LocalWorkers
+from ftrun import events
+from ftrun.agent.ports import Coordination, EventSink, LocalWorkers
 from ftrun.store.job import JobStore
 from ftrun.tally import EventTally, exit_reason
 
@@ -30,6 +31,8 @@ STATUS_INTERVAL = 1.0
 """Seconds between two records."""
 RATE_WINDOW = 10.0
 """Seconds over which steps/s is measured."""
+PROGRESS_INTERVAL = 5.0
+"""Seconds between two ``progress`` events in the event log (about 90 KB of log an hour)."""
 
 GpuStatus = Callable[[], dict[int, dict[str, Any]]]
 """GPU health by local rank: gpu_index, util, mem_used, mem_total, temperature, ecc_uncorrected, last_xid,
@@ -66,8 +69,9 @@ class StatusPublisher:
     :attr:`attempt` at the current attempt's before publishing.
     """
 
-    def __init__(self, run: RunInfo, workers: LocalWorkers, gpu_status: GpuStatus | None = None) -> None:
+    def __init__(self, run: RunInfo, workers: LocalWorkers, log: EventSink, gpu_status: GpuStatus | None = None) -> None:
         self.run = run
+        self.log = log
         self.workers = workers
         self.gpu_status = gpu_status
         self.store: JobStore | None = None
@@ -82,6 +86,8 @@ class StatusPublisher:
         self.latest: tuple[dict[str, Any] | None, dict[str, Any] | None] = (None, None)
         """The last (job record, node record) built: the job's only on the leader. Replaced as a whole, so
         another thread (the metrics endpoint) always reads a consistent pair."""
+        self.logged_step: int | None = None  # the step of the last progress event
+        self.next_progress = 0.0  # wall clock: when the next progress event is due
 
     def tick(self, now: float) -> None:
         """Called from the agent's loop with time.monotonic(): publish when a record is due."""
@@ -91,16 +97,28 @@ class StatusPublisher:
 
     def publish(self) -> None:
         """Build this node's record, and the job's on the leader, and write them (skipped while the store
-        cannot be reached)."""
+        cannot be reached); on the leader, a ``progress`` event now and then."""
         node = self.node_record()
         job = self.job_record() if self.run.node_rank == 0 else None
         self.latest = (job, node)
+        if job is not None:
+            self._log_progress(job)
         try:
             self.store.write_status(self.run.node_rank, node)
             if job is not None:
                 self.store.write_job_status(job)
         except RuntimeError:  # torch's store errors: a lasting loss of the store is the lease's business
             pass
+
+    def _log_progress(self, job: dict[str, Any]) -> None:
+        """A ``progress`` event every PROGRESS_INTERVAL seconds while steps commit: the step rate over the
+        run, for `ftrun report`."""
+        if job["step"] is None or job["step"] == self.logged_step or job["time"] < self.next_progress:
+            return
+        self.logged_step, self.next_progress = job["step"], job["time"] + PROGRESS_INTERVAL
+        rate = job["steps_per_s"]
+        self.log.write(events.PROGRESS, step=job["step"], steps_per_s=None if rate is None else round(rate, 3),
+                       world_size=job["world_size"], gen=job["generation"])
 
     # ------------------------------------------------------------ records
     def node_record(self) -> dict[str, Any]:

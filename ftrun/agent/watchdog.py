@@ -5,6 +5,7 @@ The kill turns a hang into the fault every other path already handles: the survi
 
 from __future__ import annotations
 
+import math
 import signal
 import time
 from collections import deque
@@ -67,12 +68,16 @@ class HangWatchdog:
                 self.progress[uid].last = now
 
     def kill_due(self) -> None:
-        """SIGKILL the hung workers whose stack dump had its time."""
+        """SIGKILL the hung workers whose stack dump had its time; forget those the agent has seen end."""
         now = time.monotonic()
         for uid, when in list(self.killing.items()):
-            if now >= when:
+            worker = self.workers.get(uid)
+            if worker.exitcode is not None:
                 del self.killing[uid]
-                self.workers.get(uid).send_signal(signal.SIGKILL)
+            elif now >= when:
+                worker.send_signal(signal.SIGKILL)
+                # Until its exit is seen it still counts as a member: judged now, it would be hung again.
+                self.killing[uid] = math.inf
 
     def check(self, members: list[int]) -> str | None:
         """Start dumping and killing hung members (recovery follows their death); a reason if all are stuck."""

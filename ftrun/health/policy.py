@@ -8,13 +8,18 @@ is given.  The caller logs every decision's reason.
 from __future__ import annotations
 
 import json
-import tomllib
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from ftrun.errors import UsageError
 from ftrun.health.signals import Action, Decision, HealthSignal
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, as the tomli package (a dependency there)
+    import tomli as tomllib
 
 XidTable = Mapping[int, tuple[Action, str]]
 

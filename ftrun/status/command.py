@@ -28,7 +28,6 @@ def status(endpoint: str | None, run_id: str | None, log_dir: Path | None, as_js
         raise UsageError("--json and --watch do not go together (run --json again to poll)")
     if endpoint and (run_id or log_dir):
         raise UsageError("--endpoint names the job already; drop --run-id / --log-dir")
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # before torch loads: a lost store is one line, not a log
     targets = find_targets(endpoint, run_id, log_dir)
     docs = [target.document() for target in targets]
     if as_json:

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from ftrun.tally import RECOVERY_PHASES
+
 NONE = "-"
 HEALTH_STYLE = {"healthy": "bold green", "degraded": "bold yellow", "ended": "bold"}
 STATE_STYLE = {"running": "green", "recovering": "yellow", "hung": "bold red", "lost": "red", "spare": "cyan",
                "joining": "cyan", "finished": "dim", "stopped": "dim"}
-PHASES = ("detect", "plan", "abort", "rendezvous", "agree", "transfer", "first_step")
 
 
 def duration(seconds: float | None) -> str:
@@ -69,7 +71,7 @@ def recovery_line(doc: dict[str, Any]) -> Text:
     last = recoveries["last"]
     if last is None:
         return Text("recoveries 0", style="dim")
-    phases = " ".join(f"{name} {last['phases'][name] * 1000:.0f}" for name in PHASES if name in last["phases"])
+    phases = " ".join(f"{name} {last['phases'][name] * 1000:.0f}" for name in RECOVERY_PHASES if name in last["phases"])
     return Text(f"recoveries {recoveries['count']}: last {last['latency']:.3f} s ({phases} ms), "
                 f"median {recoveries['median_latency']:.3f} s")
 
@@ -97,26 +99,47 @@ def worker_table(doc: dict[str, Any]) -> Table:
     return table
 
 
+def _attempt_end(event: dict[str, Any]) -> str:
+    how = event.get("reason") or ("succeeded" if event.get("signal") is None else f"signal {event['signal']}")
+    return f"attempt {event.get('attempt')} ended at step {_or_none(event.get('last_step'))}: {how}"
+
+
+def _rank(event: dict[str, Any]) -> str:
+    return f"rank {event.get('rank')} (pid {event.get('pid')})"
+
+
+DESCRIPTIONS: dict[str, Callable[[dict[str, Any]], str]] = {
+    "start": lambda e: f"world {e.get('world_size')}",
+    "fault": lambda e: f"{_rank(e)} lost: {e.get('how')}",
+    "hang": lambda e: f"{_rank(e)} silent for {e.get('silent_for')} s",
+    "gpu_health": lambda e: f"GPU {e.get('gpu')} (local rank {e.get('local_rank')}): {e.get('reason')} "
+                            f"-> {e.get('action')}",
+    "node_lost": lambda e: f"node {e.get('node')} lost ({e.get('reason')}): ranks {e.get('ranks')}",
+    "fenced": lambda e: f"this node stopped its workers: {e.get('reason')}",
+    "inject": lambda e: f"drill {e.get('kind')} on {_rank(e)}" + "".join(f" {k}={v}" for k, v in
+                                                                        (e.get("args") or {}).items()),
+    "generation": lambda e: f"gen {e['gen']}: world {e['world_size']} ({e.get('reason')})",
+    "recovery": lambda e: (f"{e['latency']:.3f} s: world {e.get('world_before')} -> {e.get('world_after')}, "
+                           f"{e.get('steps_lost')} steps lost"),
+    "recovery_refused": lambda e: f"no in-place recovery: {e.get('reason')}",
+    "recovery_failed": lambda e: f"in-place recovery failed: {e.get('reason')}",
+    "joiner_lost": lambda e: f"joiner {e.get('uid')} lost before it was placed: {e.get('how')}",
+    "rescue": lambda e: f"state saved for the group restart (best step {_or_none(e.get('best_step'))})",
+    "group_failure": lambda e: str(e.get("reason")),
+    "resumed": lambda e: f"attempt {e.get('attempt')} resumed at step {e.get('step')}, "
+                         f"{e.get('latency', 0):.2f} s after the failure",
+    "attempt_end": _attempt_end,
+    "end": lambda e: str(e.get("outcome")),
+}
+"""How :func:`describe` words each kind of event (ftrun.tally.NOTABLE)."""
+
+
 def describe(event: dict[str, Any]) -> str:
     """One event in a few words."""
-    kind = event["event"]
-    if kind == "fault":
-        return f"rank {event.get('rank')} (pid {event.get('pid')}) lost: {event.get('how')}"
-    if kind == "hang":
-        return f"rank {event.get('rank')} (pid {event.get('pid')}) silent for {event.get('silent_for')} s"
-    if kind == "generation":
-        return f"gen {event['gen']}: world {event['world_size']} ({event.get('reason')})"
-    if kind == "recovery":
-        return (f"{event['latency']:.3f} s: world {event.get('world_before')} -> {event.get('world_after')}, "
-                f"{event.get('steps_lost')} steps lost")
-    if kind == "start":
-        return f"world {event.get('world_size')}"
-    if kind == "attempt_end":
-        how = event.get("reason") or ("succeeded" if event.get("signal") is None else f"signal {event['signal']}")
-        return f"attempt {event.get('attempt')} ended at step {_or_none(event.get('last_step'))}: {how}"
-    if kind == "end":
-        return str(event.get("outcome"))
-    rest = {k: v for k, v in event.items() if k not in ("time", "event")}
+    words = DESCRIPTIONS.get(event["event"])
+    if words is not None:
+        return words(event)
+    rest = {k: v for k, v in event.items() if k not in ("v", "time", "event")}
     return " ".join(f"{k}={v}" for k, v in rest.items())
 
 

@@ -11,7 +11,7 @@ from ftrun import registry
 from ftrun.errors import NoSuchJob
 from ftrun.events import read_events
 from ftrun.status.document import ended_document, live_document
-from ftrun.store.client import connect
+from ftrun.store.client import STORE_START_WAIT, connect
 from ftrun.store.job import JobStore, MalformedValue
 
 FIRST_RECORD_WAIT = 5.0
@@ -24,6 +24,7 @@ class Target:
 
     endpoint: str | None
     run_dir: Path | None
+    registered: bool = False  # found in this machine's registry: its store may not be served yet
     store: JobStore | None = field(default=None, repr=False)  # the connection, kept between --watch refreshes
 
     def document(self) -> dict[str, Any]:
@@ -40,7 +41,7 @@ class Target:
     def _live(self) -> dict[str, Any]:
         first = self.store is None
         if first:
-            self.store = JobStore(connect(self.endpoint))
+            self.store = JobStore(connect(self.endpoint, connect_timeout=STORE_START_WAIT if self.registered else None))
         try:
             job = self.store.read_job_status(FIRST_RECORD_WAIT if first else 0.0)
             if job is None:
@@ -65,10 +66,10 @@ def find_targets(endpoint: str | None, run_id: str | None, log_dir: Path | None)
         if not running:
             raise NoSuchJob("no ftrun job is running on this machine (name one with --endpoint HOST:PORT, "
                             "or a past one with --run-id ID or --log-dir DIR)")
-        return [Target(e.endpoint, Path(e.run_dir)) for e in running]
+        return [Target(e.endpoint, Path(e.run_dir), registered=True) for e in running]
     live = [e for e in running if run_id in (e.run_id, e.rdzv_id)] if log_dir is None else []
     if live:
-        return [Target(e.endpoint, Path(e.run_dir)) for e in live]
+        return [Target(e.endpoint, Path(e.run_dir), registered=True) for e in live]
     root = log_dir or registry.default_runs_root()
     if not root.is_dir():
         raise NoSuchJob(f"--log-dir {root}: no such directory")
@@ -79,7 +80,7 @@ def find_targets(endpoint: str | None, run_id: str | None, log_dir: Path | None)
         raise NoSuchJob(f"{root} holds no run (no events.jsonl in it or in its folders)")
     newest = found[-1]
     entry = next((e for e in running if Path(e.run_dir) == newest), None)
-    return [Target(entry.endpoint if entry else None, newest)]
+    return [Target(entry.endpoint if entry else None, newest, registered=entry is not None)]
 
 
 def run_dirs(root: Path, run_id: str | None) -> list[Path]:

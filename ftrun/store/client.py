@@ -1,14 +1,18 @@
-"""Client connections to a job's TCPStore: the one place ftrun constructs one."""
+"""Client connections to a job's TCPStore: the one place ftrun constructs one.
+
+The agents and the workers use torch's client; ``ftrun status`` and ``ftrun inject`` use :mod:`ftrun.store.wire`,
+which speaks the same protocol without importing torch.
+"""
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from ftrun.errors import NoSuchJob, UsageError
+from ftrun.store.wire import StoreClient, StoreError
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
@@ -48,14 +52,19 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     return host, int(port_text)
 
 
-def connect(endpoint: str, timeout: float = 5.0) -> TCPStore:
-    """A client connection to the store of the job at HOST:PORT; NoSuchJob (one line) when it is not there."""
+STORE_START_WAIT = 30.0
+"""Seconds to wait for the store of a job that this machine's registry lists: a job is registered as it starts,
+and its store is served once its agent has imported torch, seconds later on a busy machine."""
+
+
+def connect(endpoint: str, timeout: float = 5.0, connect_timeout: float | None = None) -> StoreClient:
+    """A client connection to the store of the job at HOST:PORT, without torch; NoSuchJob (one line) when
+    nothing there answers as a TCPStore within ``connect_timeout`` (default ``timeout``) seconds.
+
+    Pass STORE_START_WAIT for a job found in this machine's registry.
+    """
     host, port = parse_endpoint(endpoint)
-    try:  # a plain connect first: a refused or unreachable endpoint is one line, at once
-        socket.create_connection((host, port), timeout=timeout).close()
-    except OSError as exc:
-        raise NoSuchJob(f"cannot reach a job at {host}:{port}: {exc.strerror or exc}") from None
     try:
-        return open_client(host, port, timeout)
-    except RuntimeError as exc:
-        raise NoSuchJob(f"cannot reach a job at {host}:{port}: {str(exc).splitlines()[0]}") from None
+        return StoreClient(host, port, timeout, connect_timeout)
+    except StoreError as exc:
+        raise NoSuchJob(f"cannot reach a job at {host}:{port}: {exc}") from None

@@ -31,7 +31,7 @@ def test_sigstopped_worker_is_detected_dumped_killed_and_the_survivors_recover(l
     finally:
         proc.kill()
     events = _events(log_dir)
-    hang = next(e for e in events if e["event"] == "hang")
+    (hang,) = [e for e in events if e["event"] == "hang"]  # one hang, one event
     assert hang["pid"] == stopped_pid and hang["stopped"] and hang["silent_for"] >= 3
     assert "most recent call first" in stderr  # the faulthandler dump of the hung worker
     recovery = next(e for e in events if e["event"] == "recovery")

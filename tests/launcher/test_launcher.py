@@ -190,6 +190,61 @@ def test_log_dir_keeps_each_workers_stdout_and_stderr_in_torchrun_layout(echo_ru
         assert (worker_dir / "stderr.log").read_text() == f"hello on stderr from rank {rank}\n"
 
 
+def worker_lines(text: str, prefix: str) -> list[str]:
+    """The lines of worker output (those starting with ``prefix``), sorted: ranks interleave freely."""
+    return sorted(line for line in text.splitlines() if line.startswith(prefix))
+
+
+@pytest.mark.parametrize("torchrun_flags, ftrun_flags, env, prefix", [
+    # PET_REDIRECTS and PET_TEE (named after the long flags); tee wins over redirects; the template's variable
+    ([], [], {"PET_REDIRECTS": "3", "PET_TEE": "1", "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "<${local_rank}>"}, "<"),
+    # an abbreviation argparse accepts, and a template printed as given (its own space, none added)
+    (["--redirect=3", "--tee", "2", "--log-line-prefix-template", "[x${rank}] "],
+     ["--redirect=3", "--tee", "2", "--log-line-prefix-template", "[x${rank}] "], {}, "[x"),
+    # ftrun's empty template: the bare lines torchrun prints without --tee
+    ([], ["--log-line-prefix-template", ""], {}, "hello"),
+], ids=["pet-variables", "abbreviation-and-template", "empty-template"])
+def test_console_output_matches_torchrun(tmp_path, workload, launcher_env, torchrun_flags, ftrun_flags, env, prefix):
+    logs = {name: ["--log-dir", str(tmp_path / name)] for name in ("torchrun", "ftrun")}
+    t_res, f_res = launch_both(["--nproc-per-node", "2", *logs["torchrun"], *torchrun_flags, workload("echo_lines.py")],
+                               ["--nproc-per-node", "2", *logs["ftrun"], *ftrun_flags, workload("echo_lines.py")],
+                               {**launcher_env, **env})
+    assert t_res.returncode == 0 and f_res.returncode == 0, (t_res.stderr, f_res.stderr)
+    for stream in ("stdout", "stderr"):
+        expected = worker_lines(getattr(t_res, stream), prefix)
+        assert worker_lines(getattr(f_res, stream), prefix) == expected, stream
+    assert worker_lines(f_res.stdout + f_res.stderr, prefix), "no worker line at all: the comparison proves nothing"
+
+
+def test_a_progress_bar_reaches_the_console_before_its_line_ends(tmp_path, launcher_env, workload):
+    marker = tmp_path / "seen"
+    proc = subprocess.Popen([*FTRUN, "--nproc-per-node", "1", workload("progress_bar.py"), str(marker)],
+                            env=launcher_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        seen = b""
+        while b"[default0]: progress 50%" not in seen:  # the worker waits for the marker before its newline
+            chunk = proc.stderr.read1(4096)
+            assert chunk, f"ftrun ended first: {seen!r}"
+            seen += chunk
+        marker.touch()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert (seen + err).count(b"[default0]: progress 100%\n") == 1
+
+
+def test_pet_variables_take_torchruns_names_from_the_long_flags(private_registry, monkeypatch, capsys):
+    from ftrun.cli import main
+
+    monkeypatch.setenv("PET_NO_PYTHON", "1")
+    monkeypatch.setenv("PET_MODULE", "1")
+    with pytest.raises(SystemExit) as exited:
+        main(["some.module"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == "ftrun: error: -m/--module and --no-python cannot be combined\n"
+
+
 # ------------------------------------------------------------------------------------------ 4. failure
 @pytest.fixture(scope="module")
 def failed_runs(tmp_path_factory, run_ftrun, workload):

@@ -16,12 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EXAMPLE
+from conftest import EXAMPLE, ROOT
 from rich.console import Console
 
+from ftrun import events
 from ftrun.cli import main
-from ftrun.status.document import exit_code, live_document
-from ftrun.status.render import render_all
+from ftrun.status.document import ended_document, exit_code, live_document
+from ftrun.status.render import DESCRIPTIONS, render_all
+from ftrun.tally import NOTABLE, ROUTINE
 
 FTRUN = [sys.executable, "-m", "ftrun"]
 
@@ -214,3 +216,39 @@ def test_gpu_health_reaches_the_row_and_a_hung_rank_degrades_the_job():
     row = r"^\s+0\s+0\s+0\s+4242\s+running\s+7\s+500ms\s+0\.1s\s+99\s+3\.0G\s+5\s+97\s+40G/80G\s+71C\s+2\s+79$"
     assert re.search(row, screen, re.M), screen
     assert re.search(r"^\s+0\s+1\s+1\s+4243\s+hung\s+7\s+500ms\s+0\.1s\s+99\s+3\.0G(\s+-){6}$", screen, re.M), screen
+
+
+def written_event_kinds() -> set[str]:
+    """Every event kind the code writes: the first argument of each ``.write(events.KIND, ...)`` call."""
+    root = ROOT / "ftrun"
+    return {getattr(events, name).name for path in root.rglob("*.py")
+            for name in re.findall(r"\.write\(\s*events\.([A-Z_]+)\b", path.read_text())}
+
+
+@pytest.mark.fast
+def test_status_shows_every_kind_of_event_the_run_writes_except_the_routine_ones():
+    written = written_event_kinds()
+    assert {"fault", "gpu_health", "node_lost", "fenced", "inject", "worker_start"} <= written  # the scan works
+    assert written == set(events.KINDS), "an event kind is declared but never written"
+    assert NOTABLE == set(events.KINDS) - ROUTINE and set(DESCRIPTIONS) == NOTABLE
+
+
+def test_gpu_evictions_node_loss_fencing_and_drills_reach_the_event_table(tmp_path):
+    events = [
+        {"time": 100.0, "event": "start", "run_id": "r", "world_size": 4, "nproc": 4},
+        {"time": 101.0, "event": "inject", "kind": "xid", "rank": 1, "uid": 1, "pid": 11, "args": {"value": 79}},
+        {"time": 101.5, "event": "gpu_health", "kind": "xid", "gpu": 1, "local_rank": 1, "value": 79,
+         "action": "evict_gpu", "reason": "Xid 79 (GPU has fallen off the bus)", "source": "drill", "pids": [11]},
+        {"time": 102.0, "event": "node_lost", "node": 1, "reason": "lease expired", "ranks": [2, 3]},
+        {"time": 103.0, "event": "fenced", "reason": "no lease renewal for 10 s"},
+        {"time": 104.0, "event": "joiner_lost", "uid": 7, "how": "SIGKILL"},
+        {"time": 105.0, "event": "end", "outcome": "failed", "reason": "gone"},
+    ]
+    doc = ended_document(events, tmp_path)
+    assert [e["event"] for e in doc["events"]] == ["start", "inject", "gpu_health", "node_lost", "fenced",
+                                                   "joiner_lost", "end"]
+    screen = rendered(doc)
+    for words in ("drill xid on rank 1 (pid 11) value=79", "GPU 1 (local rank 1): Xid 79 (GPU has fallen off "
+                  "the bus) -> evict_gpu", "node 1 lost (lease expired): ranks [2, 3]",
+                  "this node stopped its workers: no lease renewal for 10 s", "joiner 7 lost before it was placed"):
+        assert words in screen, screen

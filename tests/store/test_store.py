@@ -14,7 +14,7 @@ from ftrun import registry
 from ftrun.errors import NoSuchJob, UsageError
 from ftrun.protocol import Plan
 from ftrun.store import keys
-from ftrun.store.client import connect, open_client, parse_endpoint
+from ftrun.store.client import STORE_START_WAIT, connect, open_client, parse_endpoint
 from ftrun.store.job import JobStore, MalformedValue
 from ftrun.store.leases import LeaseKeeper, NodeLeases
 from ftrun.store.mailbox import MailReader
@@ -129,7 +129,7 @@ def test_a_malformed_endpoint_is_one_clear_error(endpoint):
 def test_a_running_job_is_registered_answers_ping_and_is_unregistered_at_exit(live_job, workload, tmp_path):
     proc, entry = live_job("--nproc-per-node", "2", workload("wait_forever.py"), tmp_path)
     assert registry.running() == [entry] and registry.find(entry.run_id) == registry.find(entry.rdzv_id) == [entry]
-    store = JobStore(connect(entry.endpoint))
+    store = JobStore(connect(entry.endpoint, connect_timeout=STORE_START_WAIT))  # registered before it is served
     answer = store.request(keys.node_box(0), {"cmd": "ping"})
     assert answer["ok"] and answer["node_rank"] == 0 and sorted(answer["ranks"]) == ["0", "1"]
     unknown = store.request(keys.node_box(0), {"cmd": "frobnicate"})

@@ -1,0 +1,281 @@
+"""A client of torch's TCPStore that speaks its wire protocol itself, so that it needs no torch.
+
+`ftrun status` and `ftrun inject` read and post a few keys of a running job's store; importing torch for
+that would cost seconds. This is the subset of the protocol they use, as torch's own client speaks it
+(torch/csrc/distributed/c10d/TCPStore.cpp; the servers are TCPStoreBackend.cpp and
+TCPStoreLibUvBackend.cpp), checked against both server backends by tests/store/test_wire.py:
+
+- A query is one byte, its query type, then its arguments. A string or a value is a u64 length and its
+  bytes; a list of keys is a u64 count and the keys; numbers are little-endian (torch sends them in host
+  order, and every platform torch ships for is little-endian).
+- On connecting, the client sends VALIDATE with the magic number 0x3C85F7CE, then PING with a u32 nonce
+  that the server echoes. A peer that does not echo it within the deadline is not a TCPStore.
+- torch's client puts "/" before every key, and so does this one: both see the same keys.
+- The server answers GET only for a key that exists, so :meth:`StoreClient.get` first WAITs for the key,
+  as torch's client does.
+- A WAIT still pending at its deadline is withdrawn with CANCEL_WAIT; the server acknowledges it with
+  WAIT_CANCELED (preceded by STOP_WAITING when the keys arrived meanwhile), so the connection stays usable.
+
+Every call has a monotonic deadline and raises :class:`StoreTimeout` once it passes; any other failure is a
+:class:`StoreError` (both are RuntimeErrors, as torch's store errors are). A call that fails half-way
+through leaves the byte stream in an unknown state, so the connection is closed.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from enum import IntEnum
+from typing import TypeVar
+
+MAGIC = 0x3C85F7CE
+"""The number a client sends with VALIDATE (``validationMagicNumber`` in torch)."""
+KEY_PREFIX = "/"
+"""What torch's TCPStore client puts before each key on the wire."""
+DEFAULT_TIMEOUT = 5.0
+"""Seconds a call may take unless told otherwise."""
+
+_U64 = struct.Struct("<Q")
+_I64 = struct.Struct("<q")
+_U32 = struct.Struct("<I")
+_T = TypeVar("_T")
+
+
+class Query(IntEnum):
+    """torch's ``QueryType``: the first byte of each query (only the ones used here are sent)."""
+
+    VALIDATE = 0
+    SET = 1
+    COMPARE_SET = 2
+    GET = 3
+    ADD = 4
+    CHECK = 5
+    WAIT = 6
+    GETNUMKEYS = 7
+    DELETE_KEY = 8
+    MULTI_GET = 10
+    CANCEL_WAIT = 12
+    PING = 13
+
+
+CHECK_READY = 0
+"""CHECK's answer when every key exists (``CheckResponseType::READY``)."""
+STOP_WAITING = 0
+"""WAIT's answer once every key exists (``WaitResponseType::STOP_WAITING``)."""
+WAIT_CANCELED = 1
+"""CANCEL_WAIT's acknowledgement (``WaitResponseType::WAIT_CANCELED``)."""
+
+
+class StoreError(RuntimeError):
+    """A store call failed: the store could not be reached, went away, or is not a TCPStore."""
+
+
+class StoreTimeout(StoreError):
+    """A store call ran past its deadline (a key waited for was not set in time, or no answer came)."""
+
+
+def _blob(data: bytes) -> bytes:
+    return _U64.pack(len(data)) + data
+
+
+def _value(value: str | bytes) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+def _seconds(timeout: float | timedelta | None, default: float) -> float:
+    if timeout is None:
+        return default
+    return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+
+
+class StoreClient:
+    """One connection to a TCPStore server at ``host:port``, validated on connecting.
+
+    The methods are those of torch's ``TCPStore`` that ftrun's command line uses, with the same names and
+    meanings; each waits at most ``timeout`` seconds unless given its own. Connecting waits at most
+    ``connect_timeout`` seconds (default ``timeout``) for the server to answer: more for a store known to be
+    about to be served on a socket that already listens.
+    """
+
+    def __init__(self, host: str, port: int, timeout: float = DEFAULT_TIMEOUT,
+                 connect_timeout: float | None = None) -> None:
+        self.endpoint = f"{host}:{port}"
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        patience = timeout if connect_timeout is None else connect_timeout
+        deadline = time.monotonic() + patience
+        try:
+            self._sock: socket.socket | None = socket.create_connection((host, port), timeout=patience)
+        except socket.timeout:
+            raise StoreTimeout(f"no connection within {patience:g} s") from None
+        except OSError as exc:
+            raise StoreError(exc.strerror or str(exc)) from None
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        nonce = random.getrandbits(32)
+        try:
+            self._send(bytes([Query.VALIDATE]) + _U32.pack(MAGIC) + bytes([Query.PING]) + _U32.pack(nonce), deadline)
+            echo = _U32.unpack(self._recv(_U32.size, deadline))[0]
+        except StoreTimeout:
+            self.close()
+            raise StoreTimeout(f"no TCPStore answered within {patience:g} s (is another service listening there?)"
+                               ) from None
+        except StoreError as exc:
+            self.close()
+            raise StoreError(f"not a TCPStore: {exc}") from None
+        if echo != nonce:
+            self.close()
+            raise StoreError("not a TCPStore: it answered the handshake with something else")
+
+    # ------------------------------------------------------------------ the calls
+    def set(self, key: str, value: str | bytes) -> None:
+        """Set ``key`` to ``value``."""
+        self._call(bytes([Query.SET]) + self._key(key) + _blob(_value(value)), None, lambda deadline: None)
+
+    def get(self, key: str, timeout: float | timedelta | None = None) -> bytes:
+        """The value of ``key``, once it is set (StoreTimeout if it is not within the timeout)."""
+        deadline = self._deadline(timeout)
+        self._wait([key], deadline)
+        return self._call(bytes([Query.GET]) + self._key(key), deadline, self._recv_blob)
+
+    def multi_get(self, keys: Sequence[str], timeout: float | timedelta | None = None) -> list[bytes]:
+        """The values of ``keys``, once they are all set."""
+        deadline = self._deadline(timeout)
+        self._wait(keys, deadline)
+        return self._call(bytes([Query.MULTI_GET]) + self._keys(keys), deadline,
+                          lambda d: [self._recv_blob(d) for _ in keys])
+
+    def add(self, key: str, amount: int) -> int:
+        """Add ``amount`` to the integer at ``key`` (0 when unset); returns the new value."""
+        return self._call(bytes([Query.ADD]) + self._key(key) + _I64.pack(amount), None, self._recv_i64)
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        """Set ``key`` to ``desired`` if it holds ``expected`` (or is unset and ``expected`` is empty);
+        returns the value it holds afterwards."""
+        query = bytes([Query.COMPARE_SET]) + self._key(key) + _blob(_value(expected)) + _blob(_value(desired))
+        return self._call(query, None, self._recv_blob)
+
+    def check(self, keys: Sequence[str]) -> bool:
+        """Whether every one of ``keys`` is set, without waiting."""
+        return self._call(bytes([Query.CHECK]) + self._keys(keys), None, self._recv_byte) == CHECK_READY
+
+    def wait(self, keys: Sequence[str], timeout: float | timedelta | None = None) -> None:
+        """Return once every one of ``keys`` is set; StoreTimeout if they are not within the timeout."""
+        self._wait(keys, self._deadline(timeout))
+
+    def delete_key(self, key: str) -> bool:
+        """Delete ``key``; whether it existed."""
+        return self._call(bytes([Query.DELETE_KEY]) + self._key(key), None, self._recv_i64) == 1
+
+    def num_keys(self) -> int:
+        """How many keys the store holds (torch counts some of its own)."""
+        return self._call(bytes([Query.GETNUMKEYS]), None, self._recv_i64)
+
+    def close(self) -> None:
+        """Close the connection (calls after this raise StoreError)."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def __enter__(self) -> StoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ the protocol
+    def _wait(self, keys: Sequence[str], deadline: float) -> None:
+        with self._lock:
+            try:
+                self._send(bytes([Query.WAIT]) + self._keys(keys), deadline)
+                answer = self._recv_byte(deadline)
+            except StoreTimeout:
+                self._cancel_wait()
+                raise StoreTimeout(f"{', '.join(keys)} not set within the timeout") from None
+            except StoreError:
+                self.close()
+                raise
+        if answer != STOP_WAITING:
+            self.close()
+            raise StoreError(f"unexpected answer {answer} to WAIT")
+
+    def _cancel_wait(self) -> None:
+        """Withdraw the pending WAIT and read the acknowledgement (the lock is held)."""
+        deadline = time.monotonic() + self.timeout
+        try:
+            self._send(bytes([Query.CANCEL_WAIT]), deadline)
+            answer = self._recv_byte(deadline)
+            if answer == STOP_WAITING:  # the keys were set just before the cancel arrived
+                answer = self._recv_byte(deadline)
+        except StoreError:
+            answer = None
+        if answer != WAIT_CANCELED:
+            self.close()
+
+    def _call(self, query: bytes, deadline: float | None, read: Callable[[float], _T]) -> _T:
+        """Send one query and read its answer with ``read``, all before the deadline."""
+        deadline = deadline if deadline is not None else self._deadline(None)
+        with self._lock:
+            try:
+                self._send(query, deadline)
+                return read(deadline)
+            except StoreError:
+                self.close()
+                raise
+
+    def _deadline(self, timeout: float | timedelta | None) -> float:
+        return time.monotonic() + _seconds(timeout, self.timeout)
+
+    @staticmethod
+    def _key(key: str) -> bytes:
+        return _blob((KEY_PREFIX + key).encode())
+
+    def _keys(self, keys: Sequence[str]) -> bytes:
+        return _U64.pack(len(keys)) + b"".join(self._key(k) for k in keys)
+
+    def _send(self, data: bytes, deadline: float) -> None:
+        sock = self._open_socket(deadline)
+        try:
+            sock.sendall(data)
+        except socket.timeout:
+            raise StoreTimeout("the store did not take the query in time") from None
+        except OSError as exc:
+            raise StoreError(f"the store went away ({exc.strerror or exc})") from None
+
+    def _recv(self, size: int, deadline: float) -> bytes:
+        data = b""
+        while len(data) < size:
+            sock = self._open_socket(deadline)
+            try:
+                chunk = sock.recv(size - len(data))
+            except socket.timeout:
+                raise StoreTimeout("no answer in time") from None
+            except OSError as exc:
+                raise StoreError(f"the store went away ({exc.strerror or exc})") from None
+            if not chunk:
+                raise StoreError("the connection was closed")
+            data += chunk
+        return data
+
+    def _open_socket(self, deadline: float) -> socket.socket:
+        """The socket, with a timeout of what is left until the deadline."""
+        if self._sock is None:
+            raise StoreError("the connection is closed")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise StoreTimeout("no answer in time")
+        self._sock.settimeout(left)
+        return self._sock
+
+    def _recv_byte(self, deadline: float) -> int:
+        return self._recv(1, deadline)[0]
+
+    def _recv_i64(self, deadline: float) -> int:
+        return _I64.unpack(self._recv(_I64.size, deadline))[0]
+
+    def _recv_blob(self, deadline: float) -> bytes:
+        return self._recv(_U64.unpack(self._recv(_U64.size, deadline))[0], deadline)

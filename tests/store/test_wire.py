@@ -1,0 +1,118 @@
+"""ftrun's torch-free TCPStore client against real torch TCPStore servers (libuv and classic backends)."""
+
+from __future__ import annotations
+
+import http.server
+import socket
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+from torch.distributed import TCPStore
+
+from ftrun.store.wire import StoreClient, StoreError, StoreTimeout
+
+pytestmark = pytest.mark.fast
+
+
+@pytest.fixture(params=[True, False], ids=["libuv", "classic"])
+def server(request):
+    """A real TCPStore server on a free port, and a torch client of it."""
+    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=request.param,
+                      timeout=timedelta(seconds=30))
+    client = TCPStore("127.0.0.1", master.port, is_master=False, wait_for_workers=False,
+                      use_libuv=request.param, timeout=timedelta(seconds=30))
+    yield master, client
+    del client, master
+
+
+def test_what_torch_writes_ftrun_reads_and_back(server):
+    master, torch_client = server
+    with StoreClient("127.0.0.1", master.port) as ours:
+        torch_client.set("ftrun/job", '{"run_id": "r"}')
+        assert ours.get("ftrun/job") == b'{"run_id": "r"}'
+        assert ours.check(["ftrun/job"]) and not ours.check(["ftrun/job", "missing"])
+        ours.set("from/ftrun", b"\x00\xffbytes")
+        assert torch_client.get("from/ftrun") == b"\x00\xffbytes"
+        assert ours.set("text", "é") is None and torch_client.get("text") == "é".encode()
+        assert torch_client.add("counter", 3) == 3 and ours.add("counter", 4) == 7 and torch_client.add("counter", 0) == 7
+        assert ours.multi_get(["text", "counter"]) == ["é".encode(), b"7"]
+        assert ours.compare_set("cas", "", "first") == b"first"
+        assert ours.compare_set("cas", "wrong", "second") == b"first"
+        assert torch_client.compare_set("cas", "first", "third") == b"third" and ours.get("cas") == b"third"
+        assert ours.num_keys() == torch_client.num_keys()
+        assert ours.delete_key("cas") and not ours.delete_key("cas") and not torch_client.check(["cas"])
+
+
+def test_wait_returns_once_another_client_sets_the_key(server):
+    master, torch_client = server
+    with StoreClient("127.0.0.1", master.port) as ours:
+        outcome = []
+        waiter = threading.Thread(target=lambda: outcome.append(ours.get("late", timeout=60)))
+        waiter.start()
+        torch_client.set("late", "here")
+        waiter.join(timeout=60)
+        assert outcome == [b"here"]
+
+
+def test_a_wait_past_its_deadline_times_out_and_the_connection_stays_usable(server):
+    master, torch_client = server
+    with StoreClient("127.0.0.1", master.port, timeout=0.3) as ours:
+        for call in (lambda: ours.wait(["never"]), lambda: ours.get("never"),
+                     lambda: ours.wait(["never"], timedelta(seconds=0.2)), lambda: ours.multi_get(["never"])):
+            with pytest.raises(StoreTimeout, match="never not set"):
+                call()
+        torch_client.set("after", "1")
+        assert ours.get("after") == b"1" and ours.add("n", 1) == 1
+
+
+def test_a_store_that_goes_away_fails_the_next_call_at_once():
+    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+    ours = StoreClient("127.0.0.1", master.port, timeout=30)
+    ours.set("k", "v")
+    del master
+    with pytest.raises(StoreError):
+        ours.get("k")
+        ours.get("k")  # the first call may still find the socket open
+    with pytest.raises(StoreError, match="closed"):
+        ours.check(["k"])
+
+
+def _listener() -> socket.socket:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)
+    return sock
+
+
+def test_a_listener_that_never_answers_is_not_a_store_within_the_timeout():
+    with _listener() as silent:  # connections are queued by the kernel and never served
+        started = time.monotonic()
+        with pytest.raises(StoreTimeout, match=r"no TCPStore answered within 0\.5 s"):
+            StoreClient("127.0.0.1", silent.getsockname()[1], timeout=0.5)
+        assert time.monotonic() - started >= 0.5
+
+
+def test_an_http_server_or_a_closing_listener_is_not_a_store():
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(StoreError, match="TCPStore"):
+            StoreClient("127.0.0.1", httpd.server_address[1], timeout=1.0)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    with _listener() as closing:
+        def close_each() -> None:
+            conn, _ = closing.accept()
+            conn.close()
+
+        threading.Thread(target=close_each, daemon=True).start()
+        with pytest.raises(StoreError, match="not a TCPStore: "):
+            StoreClient("127.0.0.1", closing.getsockname()[1], timeout=30)
+
+
+def test_a_port_nobody_listens_on_is_refused(free_port):
+    with pytest.raises(StoreError, match="refused"):
+        StoreClient("127.0.0.1", free_port(), timeout=5)
