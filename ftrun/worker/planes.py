@@ -74,8 +74,12 @@ class Planes:
     read. ``release`` frees the aborted generations once nothing of theirs can still run.
     """
 
-    def __init__(self, store: dist.Store, attempt: int, uid: int, backend: str, timeout: timedelta) -> None:
+    def __init__(self, store: dist.TCPStore, attempt: int, uid: int, backend: str, timeout: timedelta) -> None:
         self.store = store
+        # A store client of the control plane's own: a client runs one request at a time and holds its
+        # connection through a blocking wait, so two groups forming at once on one client can deadlock
+        # across ranks (each waiting for a key the other's blocked thread has yet to set).
+        self._control_store = dist.TCPStore(store.host, store.port, is_master=False, timeout=store.timeout)
         self.prefix = f"ftrun/a{attempt}"
         self.uid = uid
         self.backend = backend
@@ -145,13 +149,13 @@ class Planes:
         """Form the data and control groups at once, each on its own store prefix."""
         before, hook = _tcp_fds(), sys.excepthook
         store = dist.PrefixStore(f"{self.prefix}/{name}", self.store)
+        control_store = dist.PrefixStore(f"{self.prefix}/{name}/control", self._control_store)
         control: list[dist.ProcessGroup] = []
         failure: list[BaseException] = []
 
         def form_control() -> None:
             try:
-                control.append(dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, world_size,
-                                                     self.timeout))
+                control.append(dist.ProcessGroupGloo(control_store, rank, world_size, self.timeout))
             except BaseException as exc:  # noqa: BLE001 -- re-raised in the forming thread below
                 failure.append(exc)
 

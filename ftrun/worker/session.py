@@ -252,9 +252,7 @@ class Session:
                 self._transfer(best, source, behind)
                 self._rebuild_ddp()  # after the transfer: every rank now holds the same state
                 t3 = time.time()
-            except (Superseded, CollectiveFailed, dist.DistError, RuntimeError) as exc:
-                if isinstance(exc, RuntimeError) and not self._is_collective_error(exc):
-                    raise
+            except (Superseded, CollectiveFailed, dist.DistError) as exc:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"ftrun: recovery did not finish in time: {exc}") from exc
                 with self._cond:  # a newer plan is coming (a peer failed during recovery): wait for it
@@ -272,11 +270,6 @@ class Session:
             self.channel.send(protocol.RECOVERED, gen=plan.gen, step=self.committed_step, timings=timings,
                               received_state=self.rank in behind, plan_received=received)
             return
-
-    @staticmethod
-    def _is_collective_error(exc: RuntimeError) -> bool:
-        """A Gloo point-to-point failure surfaces as a plain RuntimeError from ``wait()``."""
-        return "ftrun:" not in str(exc)
 
     def _next_plan(self, deadline: float | None) -> tuple[Plan, float]:
         """Wait for a plan newer than any looked at that places this worker; reopen the gate for it."""

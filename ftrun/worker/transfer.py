@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ftrun.worker.steps import CollectiveFailed
+
 INLINE_BYTES = 64 << 10
 BUCKET_BYTES = 64 << 20
 REF = "__ftrun_tensor__"  # marks a referenced tensor in the skeleton: (REF, index)
@@ -228,9 +230,8 @@ def p2p_on_group(group: dist.ProcessGroup | None) -> Exchange:
 
     def run(ops: list[tuple[torch.Tensor, int, bool]]) -> None:
         if ops:
-            for request in dist.batch_isend_irecv([dist.P2POp(dist.isend if is_send else dist.irecv, tensor, peer,
-                                                              group) for tensor, peer, is_send in ops]):
-                request.wait()
+            _wait_all(dist.batch_isend_irecv([dist.P2POp(dist.isend if is_send else dist.irecv, tensor, peer, group)
+                                              for tensor, peer, is_send in ops]))
 
     return run
 
@@ -239,9 +240,17 @@ def p2p_on_backend(backend: Any) -> Exchange:
     """Point-to-point on a standalone Gloo group (the control plane); tag 0 keeps each pair's order."""
 
     def run(ops: list[tuple[torch.Tensor, int, bool]]) -> None:
-        works = [backend.send([tensor], peer, 0) if is_send else backend.recv([tensor], peer, 0)
-                 for tensor, peer, is_send in ops]
-        for work in works:
-            work.wait()
+        _wait_all([backend.send([tensor], peer, 0) if is_send else backend.recv([tensor], peer, 0)
+                   for tensor, peer, is_send in ops])
 
     return run
+
+
+def _wait_all(works: list[dist.Work]) -> None:
+    """Wait for point-to-point works (they have no future on Gloo): a peer's death or the abort of the
+    generation (its connections shut down) makes them fail at once."""
+    try:
+        for work in works:
+            work.wait()
+    except RuntimeError as exc:
+        raise CollectiveFailed(str(exc)) from exc
