@@ -86,15 +86,20 @@ class StepCollectives:
             result.set_result(buffer)
             return result
 
-        def finished(fut: torch.futures.Future) -> None:
+        def finished(fut: torch.futures.Future) -> None:  # on the backend's thread: one lock, no more
             try:
                 fut.value()
+                failed = False
             except Exception:  # noqa: BLE001 -- any failure of the collective discards the step
-                self.fail(epoch)
-            self.complete({result})
+                failed = True
             with self.cond:
+                if failed and epoch == self.epoch:
+                    self.failed = True
+                mine = self._pending.pop(result, None)
                 self._callbacks -= 1
                 self.cond.notify_all()
+            if mine is not None:
+                result.set_result(mine)
 
         work.get_future().add_done_callback(finished)
         return result
