@@ -67,8 +67,9 @@ def test_a_manifest_that_would_run_code_is_refused():
 
 def test_buckets_group_consecutive_tensors_of_one_device_up_to_the_bound():
     spec = lambda n, device="cpu": transfer.TensorSpec((), torch.float32, (n,), device)  # noqa: E731
-    specs = [spec(10), spec(10), spec(30), spec(5, "cuda"), spec(5, "cuda"), spec(100), spec(1)]
-    assert transfer.buckets(specs, bucket_bytes=100) == [[0, 1], [2], [3, 4], [5], [6]]
+    specs = [spec(5), spec(5), spec(30), spec(4, "cuda"), spec(4, "cuda"), spec(2), spec(100), spec(1), spec(24)]
+    assert transfer.buckets(specs, bucket_bytes=100) == [[0, 1], [2], [3, 4], [5], [6], [7], [8]]
+    # sizes are in float32 elements: 5 -> 20 bytes, a quarter bucket is 25 bytes
     assert transfer.buckets([], 100) == []
 
 

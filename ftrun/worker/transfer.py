@@ -5,8 +5,8 @@ large tensor replaced by a reference, the small tensors (at most ``INLINE_BYTES`
 that is not a tensor (the step, scheduler counters...). The referenced tensors follow in manifest order,
 point to point from the source to each rank behind and to no one else, each on the plane that carries
 its device (CUDA tensors on the data plane, CPU tensors on the plane that takes them: see
-:func:`route`), grouped into buckets of at most ``bucket_bytes`` (a larger tensor goes alone, straight
-from and into its own memory). A receiver receives into its own tensor where it has one at the same place
+:class:`Route`). A tensor of a quarter bucket or more goes alone, straight from and into its own memory;
+smaller ones travel grouped into buckets of at most ``bucket_bytes``. A receiver receives into its own tensor where it has one at the same place
 with the same dtype and shape (a model's parameters, an optimizer's moments): neither side holds more than
 one bucket beyond the state itself, and nothing is serialised whole.
 
@@ -31,7 +31,7 @@ import torch.distributed as dist
 from ftrun.worker.steps import CollectiveFailed
 
 INLINE_BYTES = 64 << 10
-BUCKET_BYTES = 64 << 20
+BUCKET_BYTES = 16 << 20
 REF = "__ftrun_tensor__"  # marks a referenced tensor in the skeleton: (REF, index)
 
 Exchange = Callable[[list[tuple[torch.Tensor, int, bool]]], None]
@@ -128,11 +128,15 @@ def read_manifest(data: bytes) -> tuple[Any, list[TensorSpec]]:
 
 
 def buckets(specs: list[TensorSpec], bucket_bytes: int) -> list[list[int]]:
-    """Consecutive tensors of one device type grouped up to ``bucket_bytes``; a larger one alone."""
+    """Tensors of a quarter bucket or more alone; consecutive smaller ones of one device type grouped up
+    to ``bucket_bytes``."""
     groups: list[list[int]] = []
-    size = 0
+    size = bucket_bytes  # the open group is full: the next tensor starts one
     for index, spec in enumerate(specs):
-        if groups and specs[groups[-1][0]].device_type == spec.device_type and size + spec.nbytes <= bucket_bytes:
+        if spec.nbytes >= bucket_bytes // 4:
+            groups.append([index])
+            size = bucket_bytes
+        elif size + spec.nbytes <= bucket_bytes and specs[groups[-1][0]].device_type == spec.device_type:
             groups[-1].append(index)
             size += spec.nbytes
         else:
