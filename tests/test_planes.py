@@ -151,11 +151,15 @@ def test_a_survivors_file_descriptors_and_threads_stay_flat_over_20_generations(
         agent.stop()
     for uid, (code, out, err) in enumerate(results):
         assert code == 0, f"uid {uid} exited {code}:\n{err[-3000:]}"
-        first_of_gen: dict[int, tuple[int, int]] = {}
+        # per generation, the fewest descriptors and threads at any of its commits: a stale generation may be
+        # released by the first commit after its recovery rather than by the recovery, and uid 2's last commit
+        # of a generation can run after its peers have already aborted it (their sockets closing)
+        counts: dict[int, tuple[int, int]] = {}
         for line in out.splitlines():
             if match := CYCLE.search(line):
                 _, _, gen, fds, threads = map(int, match.groups())
-                first_of_gen.setdefault(gen, (fds, threads))
-        assert sorted(first_of_gen) == list(range(cycles + 1)), out
-        settled = {gen: counts for gen, counts in first_of_gen.items() if gen >= 3}
-        assert len(set(settled.values())) == 1, f"uid {uid}: (fds, threads) per generation {first_of_gen}"
+                counts[gen] = min(counts.get(gen, (fds, threads)), (fds, threads))
+        assert sorted(counts) == list(range(cycles + 1)), out
+        settled = max(counts[gen] for gen in (3, 4, 5))
+        grown = {gen: c for gen, c in counts.items() if gen > 5 and (c[0] > settled[0] or c[1] > settled[1])}
+        assert not grown, f"uid {uid}: (fds, threads) grew past {settled}: {counts}"

@@ -89,6 +89,11 @@ class Planes:
         self._aborted: list[Generation] = []  # stale generations waiting to be released
 
     @property
+    def stale(self) -> bool:
+        """Whether aborted generations wait to be released."""
+        return any(g is not self.current for g in self._aborted)
+
+    @property
     def control(self) -> dist.ProcessGroup:
         """The current generation's control group."""
         return self.current.control

@@ -28,7 +28,6 @@ from ftrun.worker.steps import CollectiveFailed, StepCollectives
 from ftrun.worker.state import Stateful, best_rescue, load_into, save_rescue, snapshot
 
 INVALID_STEP = -2  # a rank whose state is not a committed one (a joiner, or a transfer that broke off): always behind
-RELEASE_WAIT = 5.0  # seconds a recovery waits for the stale generation's callbacks before releasing its groups
 
 
 class Session:
@@ -154,6 +153,8 @@ class Session:
             self.committed_step = self._step
         optimizer.zero_grad(set_to_none=True)
         self._rebuild_buckets()
+        if self.planes is not None and self.planes.stale:
+            self._release_stale()
         if self.channel is not None:
             self.channel.send(protocol.PROGRESS, gen=self.gen, step=self._step, time=time.time(),
                               step_time=time.monotonic() - self._step_started)
@@ -263,13 +264,18 @@ class Session:
                     continue
                 self.gen = plan.gen
                 self.spare = False
-            if self.collectives.quiet(RELEASE_WAIT):
-                self.planes.release()
+            self._release_stale()
             timings = {"abort": round(t0 - received, 6), "rendezvous": round(t1 - t0, 6),
                        "agree": round(t2 - t1, 6), "transfer": round(t3 - t2, 6)}
             self.channel.send(protocol.RECOVERED, gen=plan.gen, step=self.committed_step, timings=timings,
                               received_state=self.rank in behind, plan_received=received)
             return
+
+    def _release_stale(self) -> None:
+        """Release the aborted generations' groups once none of their completion callbacks can still run
+        (else at a later commit: never wait for them on the step path)."""
+        if self.collectives.quiet(0):
+            self.planes.release()
 
     def _next_plan(self, deadline: float | None) -> tuple[Plan, float]:
         """Wait for a plan newer than any looked at that places this worker; reopen the gate for it."""
