@@ -9,9 +9,10 @@ exactly rank 0's state. In the same run, on the same data group: ``dist.broadcas
 the same bytes from rank 0 to all, and ``dist.send``/``recv`` of it from rank 0 to rank 3.
 
 Per run, the time from a control-plane barrier to the receiver holding the loaded state (throughput =
-bytes / time), and the peak resident memory above what each process held before the transfer, sampled
-every millisecond (psutil) on the source and on the receiver. A raw broadcast needs a whole flat copy of
-the state on every rank; the transfer should need one bucket (``ftrun.worker.transfer.BUCKET_BYTES``).
+bytes / time; for the raw baselines, to the end of the collective, their flat tensor allocated and filled
+before the clock starts), and the peak resident memory above what each process held before, sampled every
+millisecond (psutil) on the source and on the receiver. A raw broadcast needs a whole flat copy of the
+state on every rank; the transfer should need one bucket (``ftrun.worker.transfer.BUCKET_BYTES``).
 
     python scripts/bench_transfer.py --size 256 --size 1024 --repeats 3
 """
@@ -121,8 +122,10 @@ def worker(rank: int, port: int, sizes: list[int], repeats: int) -> None:
         for kind in ("broadcast", "send"):
             for _ in range(repeats):
                 barrier()
-                peak, start = Peak(), time.perf_counter()
-                flat = torch.empty(megabytes << 18)
+                peak = Peak()
+                flat = torch.full((megabytes << 18,), float(rank))  # allocated and touched before the clock
+                barrier()
+                start = time.perf_counter()
                 if kind == "broadcast":
                     dist.broadcast(flat, SOURCE)
                 elif rank == SOURCE:
