@@ -58,12 +58,12 @@ class Session:
         self._drills = Drills()  # `ftrun inject exception|slow`, acted out at the start of a step
         self.channel: AgentChannel | None = None
         self.collectives = StepCollectives(self._cond, self._entered)
-        backends.prepare(self.backend)
         atexit.register(self._shut_down)
-        if not self.managed:
+        if not self.managed:  # torch's own error handling: a failed collective ends the process, torchrun restarts
             dist.init_process_group(self.backend, timeout=timeout, **backends.init_options(self.backend))
             self.planes = None
             return
+        backends.prepare(self.backend)
         self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                                    timeout=timedelta(seconds=300))
         self.planes = Planes(self.store, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), self.uid,
