@@ -30,6 +30,10 @@ from ftrun.worker.state import Stateful, best_rescue, load_into, save_rescue, sn
 
 INVALID_STEP = -2  # a rank whose state is not a committed one (a joiner, or a transfer that broke off): always behind
 
+DEFAULT_RECOVERY_DEADLINE = 90.0
+"""Seconds a worker waits for a recovery when its agent names none (FTRUN_RECOVERY_DEADLINE): ftrun's
+default --recovery-timeout plus --join-timeout."""
+
 
 class Session:
     """One worker's membership in the job.
@@ -44,7 +48,7 @@ class Session:
         self.uid = int(os.environ.get("FTRUN_UID", os.environ.get("RANK", "0")))
         self.spare = os.environ.get("FTRUN_JOINER") == "1"
         self.managed = "FTRUN_CHANNEL_FD" in os.environ and os.environ.get("FTRUN_RECOVERY", "1") == "1"
-        self.recovery_timeout = float(os.environ.get("FTRUN_RECOVERY_DEADLINE", "0"))
+        self.recovery_timeout = float(os.environ.get("FTRUN_RECOVERY_DEADLINE", DEFAULT_RECOVERY_DEADLINE))
         """Seconds this worker waits for a recovery to finish (the agent's --recovery-timeout + --join-timeout)."""
         self.protected: dict[str, Stateful] = {}
         self.committed_step = -1
