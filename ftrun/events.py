@@ -69,6 +69,9 @@ ATTEMPT_END = EventKind("attempt_end", ("attempt", "succeeded", "signal", "reaso
 """One start of the worker group ended."""
 END = EventKind("end", ("outcome",), ("signal", "reason"))
 """The launch ended: ``outcome`` succeeded, failed or interrupted."""
+LINK_FAULT = EventKind("link_fault", ("gen", "action", "reason", "ranks", "unreachable"))
+"""Collectives failed with every worker alive: the same members re-form (``action`` reform), or the fewest
+members whose links do not connect are stopped (exclude; ``ranks``); ``unreachable``: a probe's matrix."""
 HANG = EventKind("hang", ("uid", "rank", "pid", "silent_for", "timeout", "stopped", "in_collective"))
 """A rank made no progress within its hang timeout: its stacks are dumped, then it is killed."""
 INJECT = EventKind("inject", ("kind", "rank", "uid", "pid", "args"))
@@ -83,7 +86,7 @@ GPU_HEALTH = EventKind("gpu_health", ("kind", "gpu", "local_rank", "value", "act
 
 KINDS: dict[str, EventKind] = {kind.name: kind for kind in (
     START, WORKER_START, WORKER_EXIT, FAULT, GENERATION, RECOVERY, RECOVERY_REFUSED, RECOVERY_FAILED, RESCUE,
-    JOINER_READY, JOINER_LOST, GROUP_FAILURE, PROGRESS, RESUMED, ATTEMPT_END, END, HANG, INJECT, NODE_LOST, FENCED, GPU_HEALTH)}
+    JOINER_READY, JOINER_LOST, GROUP_FAILURE, PROGRESS, RESUMED, ATTEMPT_END, END, LINK_FAULT, HANG, INJECT, NODE_LOST, FENCED, GPU_HEALTH)}
 """Every kind of event, by name."""
 
 

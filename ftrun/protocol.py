@@ -31,6 +31,9 @@ ENTERED = "entered"  # the first collective of a step started: {step}
 FINISHED = "finished"  # the worker left the step loop: no more progress is to be expected
 RECOVERED = "recovered"  # the worker finished recovery for a generation: {gen, step, timings}
 SAVED = "saved"  # the worker wrote its state for a group restart: {step}
+COLLECTIVE_FAILED = "collective_failed"  # a collective failed with no new plan to explain it: {gen, step, phase,
+# error, unreachable}: phase "step" (in training), "form", "agree", "transfer" or "probe"; unreachable, after a
+# probe: {uid: [uids it could not connect to]} for every member (empty lists when all connected)
 # agent -> worker
 PLAN = "plan"  # a new generation: Plan fields
 SAVE = "save"  # recovery failed: write your state to FTRUN_RUN_DIR/rescue before the group restart
@@ -42,6 +45,7 @@ WORKER_STARTED = "worker_start"  # a follower's worker started: {uid, pid, local
 WORKER_MESSAGE = "msg"  # a follower's worker said something on its channel: {uid, msg}
 WORKER_EXITED = "exit"  # a follower's worker ended: {uid, code, failure (a WorkerFailure's fields) unless code 0}
 NODE_GONE = "node_gone"  # the hostfile launcher saw a node's agent end: {node, reason, since (wall clock)}
+NODE_STUCK = "node_stuck"  # every rank of a follower waits in a collective past its hang timeout: {node, gen, reason}
 # the leader -> a follower's mailbox
 RELAY = "relay"  # control messages for one of its workers: {uid, data (JSON lines)}
 SIGNAL = "signal"  # signal one of its workers: {uid, sig}
@@ -73,6 +77,7 @@ class Plan:
     reason: str = "start"
     lost: list[int] = field(default_factory=list)
     joiners: list[int] = field(default_factory=list)
+    probe: bool = False  # before forming, every member checks it can connect to every other (a link fault)
 
     @property
     def world_size(self) -> int:

@@ -122,6 +122,13 @@ class Network:
         """Unplug ``host``: its packets are dropped silently, like a failed switch port."""
         ip("link", "set", host.cable, "down")
 
+    def drop_between(self, first: NetnsHost, second: NetnsHost) -> None:
+        """Drop every packet between two hosts, silently, both ways: each routes the other through a next hop
+        that never answers. Their links to everyone else (the store on the bridge) keep working."""
+        nowhere = str(ipaddress.ip_address(self.gateway) + 250)  # on the bridge's /24, and nobody's
+        for here, there in ((first, second), (second, first)):
+            ip("-n", here.netns, "route", "add", f"{there.address}/32", "via", nowhere)
+
     def restore(self, host: NetnsHost) -> None:
         """Plug ``host`` back in."""
         ip("link", "set", host.cable, "up")

@@ -10,7 +10,8 @@ passed in). :mod:`ftrun.agent.leader` carries the decisions out.
 from __future__ import annotations
 
 import enum
-from collections.abc import Collection, Sequence
+from collections import Counter
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,15 +84,17 @@ class Act(enum.Enum):
     WAIT = "wait"  # below --min-nproc: keep ``plan`` (the survivors) and wait for joiners
     RESCUE = "rescue"  # no in-place recovery: the live workers save their state, then the group restarts
     RESTART = "restart"  # no in-place recovery and no state worth saving: restart the group now
+    EXCLUDE = "exclude"  # links among live members do not connect: stop the members in ``exclude``
 
 
 @dataclass(frozen=True)
 class Decision:
-    """A decision and its reason; ``plan`` for NEW_PLAN and WAIT."""
+    """A decision and its reason; ``plan`` for NEW_PLAN and WAIT, ``exclude`` (uids) for EXCLUDE."""
 
     act: Act
     reason: str = ""
     plan: Plan | None = None
+    exclude: tuple[int, ...] = ()
 
 
 NOTHING = Decision(Act.NONE)
@@ -220,6 +223,68 @@ def waiting_for(m: Membership, options: RecoveryOptions, recovery: Recovery | No
     if warming:
         return f"{warming} joiner{'s' if warming > 1 else ''} starting"
     return None
+
+
+REFORM_GRACE = 0.5
+"""Seconds a reported collective failure waits for a death to explain it before the same members re-form."""
+MAX_REFORMS = 2
+"""Re-forms of the same members in a row (without a step committed between) before the group restarts."""
+
+
+@dataclass
+class LinkTrouble:
+    """Collective failures in one generation that no death explains (yet): reports, a stall, a probe."""
+
+    gen: int
+    since: float  # monotonic: the first sign
+    reasons: list[str] = field(default_factory=list)  # the members' reports, in a few words each
+    stuck_nodes: set[int] = field(default_factory=set)  # nodes whose every rank waits in a collective, timed out
+    unreachable: dict[int, list[int]] | None = None  # a probe's matrix: uid -> the members it could not reach
+    acted: bool = False  # decided upon: later reports of this generation change nothing
+
+
+def links_to_cut(unreachable: Mapping[int, Collection[int]], members: Sequence[int]) -> list[int]:
+    """The fewest members to exclude so that every remaining pair connects (a greedy vertex cover of the
+    failed links): the member with the most failed links first, the later rank on a tie (rank 0 stays)."""
+    edges = {frozenset((a, b)) for a, peers in unreachable.items() for b in peers
+             if a != b and a in members and b in members}
+    cut: list[int] = []
+    while edges:
+        degree = Counter(uid for edge in edges for uid in edge)
+        worst = max(degree, key=lambda uid: (degree[uid], members.index(uid)))
+        cut.append(worst)
+        edges = {edge for edge in edges if worst not in edge}
+    return cut
+
+
+def decide_link_fault(m: Membership, trouble: LinkTrouble | None, nodes: Collection[int], reforms: int,
+                      now: float) -> Decision:
+    """What to do about collective failures that no death explains, at monotonic ``now``.
+
+    A probe's matrix with a broken link: EXCLUDE the fewest members that leave every pair connected. A
+    member's report (after REFORM_GRACE, in case a death explains it) or a stall on every node of
+    ``nodes`` (those holding members): re-form the same members with a probe (NEW_PLAN), unless that
+    was tried MAX_REFORMS times in a row (RESCUE: the group restarts).
+    """
+    if trouble is None or trouble.acted or trouble.gen != m.plan.gen:
+        return NOTHING
+    if trouble.unreachable is not None:
+        cut = links_to_cut(trouble.unreachable, m.plan.members)
+        if cut:
+            ranks = ", ".join(str(m.plan.rank_of(uid)) for uid in cut)
+            return Decision(Act.EXCLUDE, f"links among the workers do not connect: excluding rank"
+                                         f"{'s' if len(cut) > 1 else ''} {ranks}", exclude=tuple(cut))
+    stalled = bool(nodes) and set(nodes) <= trouble.stuck_nodes
+    if stalled:
+        why = "every rank waits in a collective past its hang timeout"
+    elif trouble.reasons and now - trouble.since >= REFORM_GRACE:
+        why = f"a collective failed with every worker alive ({trouble.reasons[0]})"
+    else:
+        return NOTHING
+    if reforms >= MAX_REFORMS:
+        return Decision(Act.RESCUE, f"{why}, again after {reforms} re-forms of the same workers")
+    reason = f"re-forming the same workers: {why}"
+    return Decision(Act.NEW_PLAN, reason, Plan(m.plan.gen + 1, list(m.plan.members), reason, probe=True))
 
 
 def succeeded(m: Membership) -> bool:

@@ -49,6 +49,7 @@ class Follower:
         self.last_step: dict[int, int] = {}
         self.joined: set[int] = set()  # workers that joined through the API
         self.recovery_gen: int | None = None  # the generation being recovered into, until its first commit here
+        self.stuck_told: int | None = None  # the generation this node last told the leader it is stuck in
 
     # ------------------------------------------------------------ the Coordination view
     @property
@@ -135,7 +136,11 @@ class Follower:
         if self.control.stopping():
             return None
         self.watchdog.kill_due()
-        self.watchdog.check([w.uid for w in self.local.live()])
+        stuck = self.watchdog.check([w.uid for w in self.local.live()])
+        if stuck and self.stuck_told != self.plan.gen:  # the leader judges the job: are the other nodes stuck too?
+            self.stuck_told = self.plan.gen
+            self._tell_leader({"t": protocol.NODE_STUCK, "node": self.node_rank, "gen": self.plan.gen,
+                               "reason": stuck})
         fence = self.lease.fence_reason(now)
         if fence is not None:
             self.control.stop_all(signal.SIGKILL)  # at once: a fenced node must not commit one more step

@@ -9,15 +9,17 @@ written to the store and sent to every worker, replacements started, rescues ask
 from __future__ import annotations
 
 import json
+import signal
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ftrun import events, protocol
-from ftrun.agent.decisions import (Act, Decision, Membership, Recovery, RecoveryOptions, Rescue, decide_deadline,
-                                   decide_fault, decide_join, lost_ranks, recovery_summary, rescue_outcome, split_lost,
-                                   succeeded, waiting_for)
+from ftrun.agent.decisions import (Act, Decision, LinkTrouble, Membership, Recovery, RecoveryOptions, Rescue,
+                                   decide_deadline, decide_fault, decide_join, decide_link_fault, lost_ranks,
+                                   recovery_summary, rescue_outcome, split_lost, succeeded, waiting_for)
 from ftrun.agent.ports import EventSink, GpuUse, LocalWorkers, Notices, WorkerControl, WorkerHandle
+from ftrun.agent.nodes import node_of
 from ftrun.agent.watchdog import HangWatchdog
 from ftrun.health.hangs import HangPolicy
 from ftrun.protocol import Plan
@@ -63,6 +65,8 @@ class Leader:
         self.rescue: Rescue | None = None
         self.watchdog = HangWatchdog(local, log, notices, HangPolicy(fixed=setup.hang_timeout))
         self.nodes: RemoteNodes | None = None  # the other nodes, once attached (multi-node jobs)
+        self.trouble: LinkTrouble | None = None  # collective failures no death explains (yet)
+        self.reforms = 0  # re-forms of the same members since the last recovery completed
 
     # ------------------------------------------------------------ the Coordination view
     @property
@@ -127,6 +131,8 @@ class Leader:
             m.ready.append(uid)
             self.log.write(events.JOINER_READY, uid=uid, pid=worker.pid)
             self._place_joiners()
+        elif kind == protocol.COLLECTIVE_FAILED:
+            self._collective_failed(worker, message)
         elif kind == protocol.RECOVERED and self.recovery and message["gen"] == self.recovery.gen:
             self.recovery.reports[uid] = message
         elif kind == protocol.SAVED and self.rescue is not None:
@@ -209,13 +215,20 @@ class Leader:
         if self.recovery is None:
             stuck = self.watchdog.check([uid for uid in self.plan.members
                                          if uid not in self.members.finished and self.local.get(uid) is not None])
-            if stuck and not self.setup.multinode:  # other nodes' ranks may be busy: their agents judge
-                self._give_up(stuck)
-            return None
-        decision = decide_deadline(self.recovery, self.options, now)
-        if decision.act is Act.RESCUE:
-            self._give_up(decision.reason)
+            if stuck:  # a link that drops packets: every rank waits; the other nodes say whether theirs do too
+                self._trouble(now).stuck_nodes.add(0)
+        nodes = {node_of(uid) for uid in self.plan.members if uid not in self.members.finished}
+        self._act_on_links(decide_link_fault(self.members, self.trouble, nodes, self.reforms, now))
+        if self.rescue is None and self.recovery is not None:
+            decision = decide_deadline(self.recovery, self.options, now)
+            if decision.act is Act.RESCUE:
+                self._give_up(decision.reason)
         return None
+
+    def node_stuck(self, node: int, gen: int, reason: str) -> None:
+        """Every rank of another node waits in a collective of generation ``gen`` past its hang timeout."""
+        if gen == self.plan.gen:
+            self._trouble(time.monotonic()).stuck_nodes.add(node)
 
     def close(self, reason: str | None) -> None:
         """The attempt is over: when it failed, every other node stops its workers too."""
@@ -223,6 +236,46 @@ class Leader:
             self.nodes.stop(reason)
 
     # ------------------------------------------------------------ effects
+    def _trouble(self, now: float) -> LinkTrouble:
+        """The current generation's link trouble, begun at ``now`` if there was none."""
+        if self.trouble is None or self.trouble.gen != self.plan.gen:
+            self.trouble = LinkTrouble(self.plan.gen, now)
+        return self.trouble
+
+    def _collective_failed(self, worker: WorkerHandle, message: dict[str, Any]) -> None:
+        """A member's collective of the current generation failed with no new plan to explain it."""
+        if message.get("gen") != self.plan.gen:
+            return  # an older generation's: the plan that replaced it explains it
+        trouble = self._trouble(time.monotonic())
+        trouble.reasons.append(f"rank {self.plan.rank_of(worker.uid)}, {message.get('phase')}: {message.get('error')}")
+        unreachable = message.get("unreachable")
+        if isinstance(unreachable, dict):
+            trouble.unreachable = {int(uid): [int(peer) for peer in peers] for uid, peers in unreachable.items()}
+
+    def _act_on_links(self, decision: Decision) -> None:
+        """Re-form the same members, exclude the fewest whose links fail, or give up, as decided."""
+        if decision.act is Act.NONE:
+            return
+        trouble = self.trouble
+        trouble.acted = True
+        ranks = [self.plan.rank_of(uid) for uid in decision.exclude]
+        action = {Act.NEW_PLAN: "reform", Act.EXCLUDE: "exclude", Act.RESCUE: "give_up"}[decision.act]
+        self.log.write(events.LINK_FAULT, gen=self.plan.gen, action=action, reason=decision.reason, ranks=ranks,
+                       unreachable={str(k): v for k, v in (trouble.unreachable or {}).items()})
+        self.notices.notice(f"ftrun: {decision.reason}", style="bold yellow")
+        if decision.act is Act.RESCUE:
+            self._give_up(decision.reason)
+        elif decision.act is Act.EXCLUDE:  # their deaths take the usual path: a new plan without them
+            for worker in [*self.local.live(), *self.remote_workers()]:
+                if worker.uid in decision.exclude:
+                    worker.send_signal(signal.SIGKILL)
+        else:
+            self.reforms += 1
+            if self.recovery is None:  # timed from the first sign of trouble (a report, or the stall seen)
+                began = time.time() - (time.monotonic() - trouble.since)
+                self.recovery = Recovery("link", time.monotonic(), began, began, self.plan, self.members.committed)
+            self._issue(decision.plan)
+
     def _announce(self, failures: list[WorkerFailure], ranks: list[int], decision: Decision) -> None:
         """One console line as a fault is seen: who was lost, how, and what happens next."""
         if decision.act is Act.NONE:
@@ -305,9 +358,13 @@ class Leader:
         recovery, self.recovery = self.recovery, None
         summary = recovery_summary(recovery, first_commit, self.plan.world_size)
         self.log.write(events.RECOVERY, joiners=self.plan.joiners, **summary)
+        self.reforms = 0
         if recovery.kind == "fault":
             lost = ", ".join(str(r) for r in recovery.lost_ranks)
             what = f"loss of rank{'s' if len(recovery.lost_ranks) > 1 else ''} {lost}"
+        elif recovery.kind == "link":
+            what = "a link fault" + (f" (rank{'s' if len(recovery.lost_ranks) > 1 else ''} "
+                                     f"{', '.join(map(str, recovery.lost_ranks))} excluded)" if recovery.lost_ranks else "")
         else:
             what = f"joiner{'s' if len(self.plan.joiners) > 1 else ''} arriving"
         self.watchdog.restart_clocks(self.plan.members)

@@ -13,7 +13,7 @@ from typing import Any
 
 from ftrun import events, protocol
 from ftrun.agent.failures import WorkerFailure
-from ftrun.agent.ports import Coordination, EventSink, Notices, WorkerControl, WorkerHandle
+from ftrun.agent.ports import EventSink, LeaderInbox, Notices, WorkerControl, WorkerHandle
 from ftrun.agent.workers import WorkerSlot
 from ftrun.protocol import UID_STRIDE
 from ftrun.store import keys
@@ -57,7 +57,7 @@ class RemoteNodes:
     """The other nodes as the leader sees them: feeds their workers' news to the leader's coordination."""
 
     def __init__(self, store: JobStore, leases: NodeLeases, nnodes: int, attempt: int, log: EventSink,
-                 notices: Notices, control: WorkerControl, coordination: Coordination) -> None:
+                 notices: Notices, control: WorkerControl, coordination: LeaderInbox) -> None:
         self.store = store
         self.leases = leases
         self.nnodes = nnodes
@@ -83,6 +83,9 @@ class RemoteNodes:
         if kind == protocol.NODE_GONE:
             if message["node"] in self.leases.seen:
                 self.node_lost(message["node"], message["reason"], message["since"])
+            return
+        if kind == protocol.NODE_STUCK:
+            self.coordination.node_stuck(message["node"], message["gen"], message["reason"])
             return
         if kind == protocol.WORKER_STARTED:
             slot = WorkerSlot(uid=uid, worker_id=f"{node_of(uid)}:{uid}", local_rank=message["local_rank"],

@@ -93,6 +93,19 @@ class GpuUse(Protocol):
         """Whether a worker may run on ``local_rank`` (its GPU is not evicted)."""
 
 
+class LeaderInbox(Protocol):
+    """What the leader's view of the other nodes hands on to the leader's coordination."""
+
+    def on_message(self, worker: WorkerHandle, message: dict[str, Any]) -> None:
+        """A control message from another node's worker."""
+
+    def on_finished(self, worker: WorkerHandle) -> None:
+        """Another node's worker ended with exit code 0."""
+
+    def node_stuck(self, node: int, gen: int, reason: str) -> None:
+        """Every rank of ``node`` waits in a collective of generation ``gen`` past its hang timeout."""
+
+
 class Progress(Protocol):
     """What the hang watchdog knows of one worker's progress."""
 

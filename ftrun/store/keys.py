@@ -16,6 +16,8 @@ under ``ftrun/a<attempt>/g<gen>/`` (a fresh prefix per generation, so no address
 ``ftrun/a<a>/gen``                    the current generation of attempt ``a``
 ``ftrun/a<a>/plan/<g>``               JSON: the plan of generation ``g``
 ``ftrun/a<a>/g<g>/arrived/<uid>``     worker ``uid`` reached generation ``g``'s barrier
+``ftrun/a<a>/g<g>/probe/<uid>``       where worker ``uid`` listens for a link probe (HOST:PORT)
+``ftrun/a<a>/g<g>/unreachable/<uid>`` JSON: the members worker ``uid`` could not connect to
 ``ftrun/a<a>/<group>/...``            a process group's own keys (torch's, under a PrefixStore)
 ====================================  =================================================================
 
@@ -88,6 +90,16 @@ def plan(attempt: int, gen: int) -> str:
 def arrived(attempt: int, gen: int, uid: int) -> str:
     """Worker ``uid`` reached the barrier of generation ``gen``."""
     return f"{attempt_prefix(attempt)}/g{gen}/arrived/{uid}"
+
+
+def probe_address(attempt: int, gen: int, uid: int) -> str:
+    """Where worker ``uid`` listens for the link probe of generation ``gen`` (HOST:PORT)."""
+    return f"{attempt_prefix(attempt)}/g{gen}/probe/{uid}"
+
+
+def probe_result(attempt: int, gen: int, uid: int) -> str:
+    """The members worker ``uid`` could not connect to in generation ``gen``'s probe (a JSON list)."""
+    return f"{attempt_prefix(attempt)}/g{gen}/unreachable/{uid}"
 
 
 def group_prefix(attempt: int, name: str) -> str:

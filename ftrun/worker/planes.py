@@ -37,7 +37,7 @@ import torch.distributed as dist
 from ftrun.protocol import Plan
 from ftrun.store import keys
 from ftrun.store.client import open_client
-from ftrun.worker import backends
+from ftrun.worker import backends, links
 
 
 class Superseded(Exception):
@@ -83,6 +83,7 @@ class Planes:
         # across ranks (each waiting for a key the other's blocked thread has yet to set).
         self._control_store = open_client(store.host, store.port, store.timeout.total_seconds())
         self.attempt = attempt
+        self.prober = links.Prober()
         self.uid = uid
         self.backend = backend
         self.timeout = timeout
@@ -105,7 +106,16 @@ class Planes:
         self._form(f"alone{self.uid}", -1, 0, 1)
 
     def form(self, plan: Plan, superseded: Callable[[], bool]) -> None:
-        """Form ``plan``'s planes; raises :class:`Superseded` if a newer plan comes during the barrier."""
+        """Form ``plan``'s planes; raises :class:`Superseded` if a newer plan comes during the barrier.
+
+        A plan that asks for a probe first checks every link among its members; :class:`LinkFailure`
+        (and nothing formed) if one does not connect.
+        """
+        if plan.probe:
+            links.probe(self.store, self.prober, self.uid, plan.members,
+                        lambda uid: keys.probe_address(self.attempt, plan.gen, uid),
+                        lambda uid: keys.probe_result(self.attempt, plan.gen, uid),
+                        lambda waited: self._wait_keys(waited, superseded))
         self.store.set(keys.arrived(self.attempt, plan.gen, self.uid), "1")
         self._wait_keys([keys.arrived(self.attempt, plan.gen, uid) for uid in plan.members], superseded)
         self.abort()

@@ -24,6 +24,7 @@ from ftrun.store.client import open_client
 from ftrun.worker import backends, transfer
 from ftrun.worker.channel import AgentChannel
 from ftrun.worker.injected import WorkerDrills
+from ftrun.worker.links import LinkFailure
 from ftrun.worker.planes import Planes, Superseded
 from ftrun.worker.steps import CollectiveFailed, StepCollectives
 from ftrun.worker.state import Stateful, best_rescue, load_into, save_rescue, snapshot
@@ -243,22 +244,36 @@ class Session:
 
     # -------------------------------------------------------------- recovery
     def _recover(self) -> None:
-        """Join the newest generation: form its planes, agree on the committed step, fetch state if behind."""
+        """Join the newest generation: form its planes, agree on the committed step, fetch state if behind.
+
+        A step (or a recovery) that failed with no new plan to explain it is reported to the agent: every
+        process being alive, a link failed, and the leader re-forms the group or excludes a member.
+        """
         deadline = None if self.spare else time.monotonic() + self.recovery_timeout
+        with self._cond:
+            unexplained = not self.spare and self._latest.gen <= self.gen and self.collectives.failed
+        if unexplained:
+            self._report(self.gen, "step", self.collectives.error or "a collective failed")
         while True:
             plan, received = self._next_plan(deadline)
             deadline = deadline or time.monotonic() + self.recovery_timeout
             superseded = lambda: self._latest.gen != plan.gen  # noqa: E731
+            phase = "form"
             try:
                 t0 = time.time()
                 self.planes.form(plan, superseded)
                 t1 = time.time()
+                phase = "agree"
                 best, source, behind = self._agree(deadline)
                 t2 = time.time()
+                phase = "transfer"
                 self._transfer(best, source, behind)
                 self._rebuild_ddp()  # after the transfer: every rank now holds the same state
                 t3 = time.time()
-            except (Superseded, CollectiveFailed, dist.DistError) as exc:
+            except (Superseded, CollectiveFailed, LinkFailure, dist.DistError) as exc:
+                if not isinstance(exc, Superseded) and not superseded():
+                    self._report(plan.gen, "probe" if isinstance(exc, LinkFailure) else phase, str(exc),
+                                 getattr(exc, "unreachable", None))
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"ftrun: recovery did not finish in time: {exc}") from exc
                 with self._cond:  # a newer plan is coming (a peer failed during recovery): wait for it
@@ -275,6 +290,12 @@ class Session:
             self.channel.send(protocol.RECOVERED, gen=plan.gen, step=self.committed_step, timings=timings,
                               received_state=self.rank in behind, plan_received=received)
             return
+
+    def _report(self, gen: int, phase: str, error: str, unreachable: dict[int, list[int]] | None = None) -> None:
+        """Tell the agent a collective of generation ``gen`` failed in ``phase`` with no death to explain it."""
+        self.channel.send(protocol.COLLECTIVE_FAILED, gen=gen, step=self._step, phase=phase,
+                          error=error.strip().splitlines()[0] if error.strip() else phase,
+                          unreachable=None if unreachable is None else {str(k): v for k, v in unreachable.items()})
 
     def _release_stale(self) -> None:
         """Release the aborted generations' groups once none of their completion callbacks can still run

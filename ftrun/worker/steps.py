@@ -48,6 +48,7 @@ class StepCollectives:
         self.cond = cond
         self.poisoned = False  # a newer plan arrived: nothing more may be issued on this generation
         self.failed = False  # a collective of the current step failed or was abandoned
+        self.error = ""  # why it failed, in a line (empty when a new plan abandoned it)
         self.epoch = 0  # steps and recoveries started: a late failure only fails its own epoch
         self._on_entered = on_entered
         self._entered_epoch = -1
@@ -60,7 +61,7 @@ class StepCollectives:
         """A new step (or recovery) starts: earlier collectives' late failures no longer count."""
         with self.cond:
             self.epoch += 1
-            self.failed = False
+            self.failed, self.error = False, ""
             self._held.clear()
 
     def hook(self, group, bucket):  # noqa: ANN001, ANN201 -- DDP rejects string annotations here
@@ -89,12 +90,12 @@ class StepCollectives:
         def finished(fut: torch.futures.Future) -> None:  # on the backend's thread: one lock, no more
             try:
                 fut.value()
-                failed = False
-            except Exception:  # noqa: BLE001 -- any failure of the collective discards the step
-                failed = True
+                failed = ""
+            except Exception as exc:  # noqa: BLE001 -- any failure of the collective discards the step
+                failed = _first_line(exc)
             with self.cond:
                 if failed and epoch == self.epoch:
-                    self.failed = True
+                    self._failed(failed)
                 mine = self._pending.pop(result, None)
                 self._callbacks -= 1
                 self.cond.notify_all()
@@ -128,8 +129,8 @@ class StepCollectives:
                 works.append(self.issue(lambda: group.allreduce([loss_slot])))
             for work in works:
                 self.wait(work)
-        except (CollectiveFailed, Superseded):
-            self.fail()
+        except (CollectiveFailed, Superseded) as exc:
+            self.fail(error="" if isinstance(exc, Superseded) else _first_line(exc))
         with self.cond:
             ok = not (self.poisoned or self.failed)
         if not ok:
@@ -152,6 +153,7 @@ class StepCollectives:
         """The next generation is formed: collectives may be issued again."""
         with self.cond:
             self.poisoned = self.failed = False
+            self.error = ""
             self.epoch += 1  # late failures of the abandoned step's collectives no longer count
             self._held.clear()
 
@@ -163,12 +165,17 @@ class StepCollectives:
         for fut, buffer in mine.items():
             fut.set_result(buffer)
 
-    def fail(self, epoch: int | None = None) -> None:
+    def fail(self, epoch: int | None = None, error: str = "") -> None:
         """Mark the current step failed; a late failure of an earlier step's collective (``epoch``) is ignored."""
         with self.cond:
             if epoch is None or epoch == self.epoch:
-                self.failed = True
+                self._failed(error)
             self.cond.notify_all()
+
+    def _failed(self, error: str) -> None:
+        """Under the lock: the step failed; the first failure's message is kept."""
+        self.failed = True
+        self.error = self.error or error
 
     def quiet(self, timeout: float) -> bool:
         """Wait until no completion callback is pending (they need this interpreter); False on timeout."""
@@ -203,3 +210,8 @@ class StepCollectives:
         with self.cond:
             self._callbacks -= 1
             self.cond.notify_all()
+
+
+def _first_line(error: BaseException) -> str:
+    """An exception's message, first line only (torch's carry C++ frames below it)."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]

@@ -6,9 +6,10 @@ import re
 
 import pytest
 
-from ftrun.agent.decisions import (Act, Membership, Recovery, RecoveryOptions, Rescue, decide_deadline, decide_fault,
-                                   decide_join, lost_ranks, next_plan, recovery_summary, rescue_outcome, split_lost,
-                                   succeeded, waiting_for, why_not_in_place)
+from ftrun.agent.decisions import (Act, LinkTrouble, MAX_REFORMS, Membership, REFORM_GRACE, Recovery,
+                                   RecoveryOptions, Rescue, decide_deadline, decide_fault, decide_join,
+                                   decide_link_fault, links_to_cut, lost_ranks, next_plan, recovery_summary,
+                                   rescue_outcome, split_lost, succeeded, waiting_for, why_not_in_place)
 from ftrun.protocol import Plan
 
 pytestmark = pytest.mark.fast
@@ -244,3 +245,51 @@ def test_what_the_job_waits_for_in_words():
     rescue = Rescue("why", deadline=20.0, waiting={1}, saved={0: 5})
     assert waiting_for(m, options, None, rescue, 0, now=12.0) == \
         "saving the live workers' state before a group restart: 1 of 2 saved, 8 s left"
+
+
+# --------------------------------------------------------------------------------------- link faults
+def test_the_fewest_members_are_cut_and_rank_0_stays():
+    members = [0, 1, 2, 3]
+    assert links_to_cut({}, members) == []
+    assert links_to_cut({1: [2], 2: [1]}, members) == [2]  # one link: the later rank goes
+    assert links_to_cut({0: [3], 3: [0]}, members) == [3]
+    assert links_to_cut({0: [2], 1: [2], 3: [2], 2: [0, 1, 3]}, members) == [2]  # one member cut off from all
+    two_hosts = {0: [2, 3], 1: [2, 3], 2: [0, 1], 3: [0, 1]}  # hosts {0,1} and {2,3} no longer connect
+    assert sorted(links_to_cut(two_hosts, members)) == [2, 3]
+    assert links_to_cut({1: [-1, 9]}, members) == []  # links to non-members (a garbled result) cut nobody
+
+
+def test_a_reported_failure_re_forms_the_same_members_once_no_death_explains_it():
+    m = members()
+    trouble = LinkTrouble(gen=0, since=10.0, reasons=["rank 1, step: Connection closed by peer"])
+    assert decide_link_fault(m, trouble, {0}, reforms=0, now=10.0 + REFORM_GRACE / 2).act is Act.NONE  # a death may come
+    decision = decide_link_fault(m, trouble, {0}, reforms=0, now=10.0 + REFORM_GRACE)
+    assert decision.act is Act.NEW_PLAN and decision.plan.members == [0, 1, 2, 3] and decision.plan.probe
+    assert decision.plan.gen == 1 and "Connection closed by peer" in decision.reason
+    stale = LinkTrouble(gen=0, since=0.0, reasons=["x"])
+    m.plan = Plan(1, [0, 1, 3])  # a death was planned meanwhile: the old generation's reports mean nothing
+    assert decide_link_fault(m, stale, {0}, reforms=0, now=99.0).act is Act.NONE
+
+
+def test_a_stall_needs_every_node_with_members_stuck_and_waits_no_grace():
+    m = members()
+    trouble = LinkTrouble(gen=0, since=50.0, stuck_nodes={0})
+    assert decide_link_fault(m, trouble, {0, 1}, reforms=0, now=50.0).act is Act.NONE  # node 1 may be busy
+    trouble.stuck_nodes.add(1)
+    decision = decide_link_fault(m, trouble, {0, 1}, reforms=0, now=50.0)
+    assert decision.act is Act.NEW_PLAN and "past its hang timeout" in decision.reason
+
+
+def test_a_probe_that_finds_a_broken_link_excludes_the_fewest_members():
+    m = members()
+    trouble = LinkTrouble(gen=0, since=1.0, reasons=["rank 1, probe: ..."], unreachable={1: [3], 3: [1]})
+    decision = decide_link_fault(m, trouble, {0}, reforms=1, now=1.0)
+    assert decision.act is Act.EXCLUDE and decision.exclude == (3,) and "excluding rank 3" in decision.reason
+
+
+def test_failures_that_persist_after_re_forms_restart_the_group():
+    trouble = LinkTrouble(gen=0, since=0.0, reasons=["rank 0, agree: timeout"])
+    decision = decide_link_fault(members(), trouble, {0}, reforms=MAX_REFORMS, now=5.0)
+    assert decision.act is Act.RESCUE and f"after {MAX_REFORMS} re-forms" in decision.reason
+    trouble.acted = True
+    assert decide_link_fault(members(), trouble, {0}, reforms=0, now=5.0).act is Act.NONE  # decided already

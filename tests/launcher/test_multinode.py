@@ -58,10 +58,11 @@ def test_two_nodes_under_slurm_train_exactly_as_one_node_of_four(launcher_env, t
     assert not LOSS.search(follower)  # ranks 2 and 3 print nothing of their own in the example
 
 
-def hostfile_job(network, ssh_keys, tmp_path: Path, env: dict[str, str], *extra: str) -> subprocess.Popen:
+def hostfile_job(network, ssh_keys, tmp_path: Path, env: dict[str, str], *extra: str, slots: int = 2) -> \
+        subprocess.Popen:
     """`ftrun --hostfile` over the namespace hosts, through their real sshd, with the store on the bridge."""
     hosts = tmp_path / "hosts"
-    hosts.write_text("".join(f"{host.address} slots=2\n" for host in network.hosts))
+    hosts.write_text("".join(f"{host.address} slots={slots}\n" for host in network.hosts))
     env = {**env, "GLOO_SOCKET_IFNAME": HOST_IFNAME, "FTRUN_SSH_OPTS": shlex.join(ssh_keys.client_options())}
     return subprocess.Popen([*FTRUN, "--hostfile", str(hosts), "--master-addr", network.gateway, "--log-dir",
                              str(tmp_path / "logs"), *extra, EXAMPLE, "--steps", str(STEPS)],
@@ -133,6 +134,33 @@ def test_a_partitioned_node_fences_itself_and_the_others_train_on(netns_hosts, s
     assert "could not renew this node's lease" in fenced["reason"]
     pids = [e["pid"] for e in node1 if e["event"] == "worker_start"]
     assert len(pids) == 2 and not any(psutil.pid_exists(pid) for pid in pids)
+
+
+def test_a_link_that_drops_every_packet_between_two_live_hosts_excludes_one(netns_hosts, ssh_keys, launcher_env,
+                                                                          tmp_path, baseline):
+    """One worker on each namespace host; at step 10 every packet between the hosts is dropped while both
+    still reach the store. The collective stalls on both; once every rank has waited past the hang timeout
+    the leader re-forms them with a probe, which finds the broken link, and excludes the later rank: rank 0
+    trains on alone, every step once, with the baseline's losses."""
+    first, second = netns_hosts.hosts
+    job = hostfile_job(netns_hosts, ssh_keys, tmp_path, launcher_env, "--hang-timeout", "3", slots=1)
+    stdout = run_until(job, 10, lambda: netns_hosts.drop_between(first, second))
+    stderr = job.stderr.read()
+    assert job.wait(timeout=180) == 0, stderr
+    trained = losses(stdout)
+    assert sorted(trained) == list(range(STEPS)) and all(
+        trained[s] == pytest.approx(baseline[s], rel=RTOL) for s in range(STEPS)), stdout
+    (run_dir,) = (tmp_path / "logs").iterdir()
+    log = events(run_dir)
+    links = [(e["action"], e["ranks"]) for e in log if e["event"] == "link_fault"]
+    assert links == [("reform", []), ("exclude", [1])], stderr
+    exclude = next(e for e in log if e["event"] == "link_fault" and e["action"] == "exclude")
+    assert exclude["unreachable"] == {"0": [100000], "100000": [0]}, exclude
+    recoveries = [e for e in log if e["event"] == "recovery"]
+    assert [(r["kind"], r["world_after"], r["steps_lost"]) for r in recoveries] == [("link", 1, 0)], log
+    starts = {e["uid"]: e["pid"] for e in log if e["event"] == "worker_start"}
+    exits = {e["uid"]: e["exitcode"] for e in log if e["event"] == "worker_exit"}
+    assert exits[0] == 0 and exits[100000] == -signal.SIGKILL and set(starts) == {0, 100000}, log
 
 
 def test_ctrl_c_stops_every_agent_and_worker_on_every_host(netns_hosts, ssh_keys, launcher_env, tmp_path, workload):

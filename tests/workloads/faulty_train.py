@@ -3,8 +3,9 @@
 FAULTS (environment) is a comma list of KIND:STEP:UID, where UID is the worker's FTRUN_UID (its initial
 rank): kill (SIGKILL itself before the step), exception (raise in the step), allreduce (SIGKILL itself
 inside the gradient all-reduce: after the first bucket's all-reduce has started on every rank),
-recovery (SIGKILL itself while re-forming the group after the first fault). Faults are planted in the
-first attempt only, so a group restart runs clean.
+recovery (SIGKILL itself while re-forming the group after the first fault), reset (shut down every TCP
+connection between itself and one other worker, both alive: a link reset, no death). Faults are planted in
+the first attempt only, so a group restart runs clean.
 Every rank prints `commit uid=<uid> step=<n> loss=<float>` for each committed step.
 """
 
@@ -12,8 +13,11 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
+
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
@@ -30,6 +34,20 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def reset_link() -> None:
+    """Shut down (both ways) every TCP connection between this worker and one other worker process."""
+    me = psutil.Process()
+    connections = psutil.net_connections(kind="tcp")
+    owner = {(c.laddr.ip, c.laddr.port): c.pid for c in connections if c.laddr and c.pid}
+    mine = [c for c in me.net_connections(kind="tcp") if c.raddr and c.fd != -1]
+    workers = {owner.get((c.raddr.ip, c.raddr.port)) for c in mine} - {None, me.pid}
+    peer = min(pid for pid in workers if "faulty_train.py" in " ".join(psutil.Process(pid).cmdline()))
+    for connection in mine:
+        if owner.get((connection.raddr.ip, connection.raddr.port)) == peer:
+            with socket.socket(fileno=os.dup(connection.fd)) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+
+
 def plant(kind: str, step: int, uid: int, training: train_ddp.Training, current: int) -> None:
     if uid != UID or step != current:
         return
@@ -37,6 +55,8 @@ def plant(kind: str, step: int, uid: int, training: train_ddp.Training, current:
         die()
     if kind == "exception":
         raise RuntimeError(f"planted exception at step {step}")
+    if kind == "reset":
+        reset_link()
     if kind == "allreduce":
         first = next(iter(training.model.module.parameters()))
         first.register_hook(lambda grad: die())
@@ -50,9 +70,12 @@ def main() -> None:
     args = train_ddp.parse_args()
     ft = ftrun.init()
     training = train_ddp.build(args, ft, bucket_cap_mb=1)
+    planted: set[int] = set()  # each fault once: a step replayed after a recovery does not plant it again
     for step in ft.steps(args.steps):
-        for kind, at, uid in FAULTS:
-            plant(kind, int(at), int(uid), training, step)
+        for index, (kind, at, uid) in enumerate(FAULTS):
+            if index not in planted and int(at) == step:
+                planted.add(index)
+                plant(kind, int(at), int(uid), training, step)
         loss = train_ddp.train_step(ft, training, step)
         if loss is not None:
             print(f"commit uid={UID} rank={ft.rank} world={ft.world_size} step={step} loss={loss:.12g}", flush=True)

@@ -1,0 +1,32 @@
+"""Faults that end no process: a reset link between two live workers, and a link that drops every packet.
+
+The survivors are every worker (or all but the fewest the leader must exclude); no committed step is lost and
+the loss is the fault-free run's.
+"""
+
+from __future__ import annotations
+
+from runs import NPROC, check_steps
+
+
+def test_a_reset_link_between_two_live_workers_re_forms_the_same_group(launch, baseline):
+    """Rank 1 shuts down its connections to one other worker at step 5 (a reset, both processes alive): the
+    collective fails, the same four workers re-form after a probe finds every link working, and train on."""
+    run = launch(faults="reset:5:1")
+    why = run.explain()
+    assert run.returncode == 0, why
+    starts = {e["uid"]: e["pid"] for e in run.of("worker_start")}
+    exits = {e["uid"]: (e["pid"], e["exitcode"]) for e in run.of("worker_exit")}
+    assert sorted(starts) == list(range(NPROC)) and exits == {uid: (pid, 0) for uid, pid in starts.items()}, why
+    assert not run.of("fault") and not run.of("recovery_failed") and not run.of("group_failure"), why
+    (link,) = run.of("link_fault")
+    assert link["action"] == "reform" and link["gen"] == 0 and "a collective failed with every worker alive" \
+        in link["reason"], why
+    (generation,) = run.of("generation")
+    assert generation["members"] == list(range(NPROC)) and generation["gen"] == 1, why
+    (recovery,) = run.of("recovery")
+    assert (recovery["kind"], recovery["world_before"], recovery["world_after"], recovery["steps_lost"]) == \
+        ("link", NPROC, NPROC, 0), why
+    assert recovery["resumed_at_step"] == 5, why
+    assert "ftrun: recovered from a link fault in" in run.stderr, why
+    check_steps(run, baseline, {})
