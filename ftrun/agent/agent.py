@@ -34,6 +34,7 @@ from ftrun.errors import EXIT_OK, EXIT_SIGNAL_BASE, EXIT_WORKERS_FAILED
 from ftrun.events import EventLog
 from ftrun.processes import SignalWake, signal_name
 from ftrun.store import keys
+from ftrun.store.auth import Seal, write_secret_file
 from ftrun.store.client import open_client, open_client_retrying
 from ftrun.store.host import StoreHost
 from ftrun.store.job import JobStore
@@ -56,10 +57,11 @@ class Agent:
         self.store_host = store_host  # None: another process serves the store (node 0, or the hostfile launcher)
         self.console = console
         root = config.log_dir or registry.default_runs_root()
-        self.run_dir = root / (config.run_name or f"{config.run_id}_{uuid.uuid4().hex[:8]}")
-        if config.node_rank > 0:
-            self.run_dir = self.run_dir / f"node{config.node_rank}"
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        run = registry.private_dir(root / (config.run_name or f"{config.run_id}_{uuid.uuid4().hex[:8]}"))
+        self.run_name = run.name
+        """The run's name (its directory's), the same on every node: the run id `ftrun status` shows."""
+        self.run_dir = run if config.node_rank == 0 else registry.private_dir(run / f"node{config.node_rank}")
+        self.seal = Seal(config.secret)
         self.log = EventLog(self.run_dir / "events.jsonl")
         self.selector = selectors.DefaultSelector()
         self.pool = WorkerPool(config, self.selector, console, self.log, self.run_dir)
@@ -76,13 +78,13 @@ class Agent:
         self.gpu_health = GpuHealth(self.log, console, self.pool, self.end_attempt, config.xid_table,
                                     local_ranks=config.nproc_per_node + config.recovery.spares,
                                     min_nproc=config.recovery.min_nproc)
-        self.status = StatusPublisher(RunInfo(self.run_dir.name, config.run_id, str(self.run_dir), config.node_rank,
+        self.status = StatusPublisher(RunInfo(self.run_name, config.run_id, str(self.run_dir), config.node_rank,
                                               config.min_nodes, config.world_size), self.pool,
                                       self.gpu_health.gpu_status)
         self.log.listeners.append(self.status.tally.add)
         self.local_world = config.nproc_per_node
         """Training workers this attempt starts on this node: fewer than --nproc-per-node after a GPU eviction."""
-        drills = Drills(self.log, config.node_rank, self.ranked_workers,
+        drills = Drills(self.log, self.run_name, config.node_rank, self.ranked_workers,
                         lambda uid: self.coordination is not None and self.coordination.adopted(uid), self.gpu_health)
         self.commands: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
             protocol.PING: self._ping, protocol.INJECT: drills.inject}
@@ -100,9 +102,11 @@ class Agent:
         self.log.write(events.START, run_id=config.run_id, command=config.command, node=config.node_rank,
                        nproc=config.nproc_per_node, world_size=config.world_size, store_port=config.store.port)
         entry = None
+        if self.leader:
+            write_secret_file(self.run_dir / "secret", config.secret)  # for `ftrun status --secret-file`
         if not config.under_launcher:
             entry = registry.register(registry.new_entry(self.run_dir.name, config.run_id, config.master_addr,
-                                                         config.store.port, self.run_dir))
+                                                         config.store.port, self.run_dir, config.secret))
         try:
             with SignalWake(handled) as wake:
                 self.selector.register(wake.fd, selectors.EVENT_READ, (SIGNAL, wake))
@@ -169,33 +173,40 @@ class Agent:
 
     def _connect(self, timeout: float = STORE_TIMEOUT) -> JobStore:
         """A new client connection to the job's store."""
-        host = "127.0.0.1" if self.store_host is not None else self.config.store.host
-        return JobStore(open_client(host, self.config.store.port, timeout))
+        host = self.store_host.client_host if self.store_host is not None else self.config.store.host
+        return JobStore(open_client(host, self.config.store.port, timeout), self.seal)
 
     def _open_store(self, mail_w: int) -> JobStore:
         """Serve the store (or connect to it), and start this node's mailbox reader and lease."""
         config = self.config
         if self.store_host is not None:
-            store = JobStore(self.store_host.start())
+            store = JobStore(self.store_host.start(), self.seal)
         elif self.leader:
             store = self._connect()
         else:  # short calls, so that its loop goes on to fence itself if the store stops answering
             store = JobStore(open_client_retrying(config.store.host, config.store.port, config.node_timeout / 2,
-                                                  STORE_TIMEOUT))
+                                                  STORE_TIMEOUT), self.seal)
         if self.leader:
             store.write_job({"run_id": self.run_dir.name, "rdzv_id": config.run_id, "nnodes": config.min_nodes,
                              "world_size": config.world_size, "run_dir": str(self.run_dir)})
-        self.mail = MailReader(self._connect, keys.node_box(config.node_rank), mail_w)
+        self.mail = MailReader(self._connect, keys.node_box(config.node_rank), mail_w, protocol.mail_problem)
         self.mail.start()
         if config.multinode and self.leader:
             self.node_leases = NodeLeases(store, list(range(1, config.min_nodes)), config.node_timeout,
                                           time.monotonic())
         elif config.multinode:
-            self.lease = LeaseKeeper(lambda: self._connect(config.node_timeout / 2), config.node_rank,
+            # a renewal that hangs gives up in time to retry before the lease would fence this node
+            self.lease = LeaseKeeper(lambda: self._connect(config.node_timeout / 4), config.node_rank,
                                      config.node_timeout)
             self.lease.start()
-        self.status.store = store
+        self.status.store, self.status.dropped = store, self._dropped
         return store
+
+    def _dropped(self) -> dict[str, Any]:
+        """Messages this agent refused: from its mailbox (unsigned, forged, malformed) and its workers' channels."""
+        mail = self.mail
+        return {"mail": mail.dropped if mail else 0, "channel": self.pool.dropped,
+                "last": mail.last_dropped if mail else None}
 
     def _coordination(self) -> Coordination:
         """The current attempt's coordination: the leader's, or this follower's."""
@@ -344,8 +355,8 @@ class Agent:
 
     def _ping(self, message: dict[str, Any]) -> dict[str, Any]:
         """Answer ``ping``: who this agent is and which ranks it runs."""
-        return {"ok": True, "node_rank": self.config.node_rank, "pid": os.getpid(), "attempt": self.restart_count,
-                "ranks": {str(rank): w.pid for rank, w in self.ranked_workers().items()}}
+        return {"ok": True, "run": self.run_name, "node_rank": self.config.node_rank, "pid": os.getpid(),
+                "attempt": self.restart_count, "ranks": {str(rank): w.pid for rank, w in self.ranked_workers().items()}}
 
     def _on_exit(self, uid: int) -> None:
         code = self.pool.reap(uid)

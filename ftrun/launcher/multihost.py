@@ -29,6 +29,7 @@ from ftrun.launcher.hosts import Host, is_local
 from ftrun.lines import LineBuffer
 from ftrun.processes import SignalWake, die_with_parent, signal_name
 from ftrun.store import keys
+from ftrun.store.auth import Seal
 from ftrun.store.host import StoreHost
 from ftrun.store.job import JobStore
 
@@ -63,16 +64,16 @@ class HostLauncher:
     def run(self) -> int:
         """Launch, relay output until node 0's agent ends, stop the rest; node 0's exit code."""
         self._probe()
-        store_host = StoreHost(self.config.store)
+        store_host = StoreHost(self.config.store, self.config.store_listen)
         store = Endpoint(self.config.master_addr, store_host.port)
         for node, host in enumerate(self.hosts):
             self._start_agent(node, host, store)
         entry = registry.register(registry.new_entry(self.run_name, self.config.run_id, self.config.master_addr,
-                                                     store_host.port, self.run_dir))
+                                                     store_host.port, self.run_dir, self.config.secret))
         try:
             with SignalWake((signal.SIGINT, signal.SIGTERM, signal.SIGHUP)) as wake:
                 self.selector.register(wake.fd, selectors.EVENT_READ, None)
-                self.store = JobStore(store_host.start())
+                self.store = JobStore(store_host.start(), Seal(self.config.secret))
                 return self._relay(wake)
         finally:
             registry.unregister(entry)
