@@ -39,7 +39,7 @@ from ftrun.store.client import open_client, open_client_retrying
 from ftrun.store.host import StoreHost
 from ftrun.store.job import JobStore
 from ftrun.store.leases import LeaseKeeper, NodeLeases
-from ftrun.store.mailbox import MailReader
+from ftrun.store.mailbox import MailReader, Outbox
 
 STORE_TIMEOUT = 300.0
 """Seconds an agent's store calls may wait (a follower waits this long for node 0 to serve the store)."""
@@ -73,6 +73,7 @@ class Agent:
         self.store: JobStore | None = None  # the agent's own store handle, once the store is served
         self.coordination: Coordination | None = None  # one per attempt, made before its event loop starts
         self.mail: MailReader | None = None
+        self.outbox: Outbox | None = None  # this agent's messages to the other agents, numbered for the run
         self.node_leases: NodeLeases | None = None  # the leader's view of the followers' leases
         self.lease: LeaseKeeper | None = None  # a follower's own lease
         self.gpu_health = GpuHealth(self.log, console, self.pool, self.end_attempt, config.xid_table,
@@ -189,7 +190,12 @@ class Agent:
         if self.leader:
             store.write_job({"run_id": self.run_dir.name, "rdzv_id": config.run_id, "nnodes": config.min_nodes,
                              "world_size": config.world_size, "run_dir": str(self.run_dir)})
-        self.mail = MailReader(self._connect, keys.node_box(config.node_rank), mail_w, protocol.mail_problem)
+        senders = [keys.node_box(n) for n in range(1, config.min_nodes)] if self.leader else [keys.LEADER_BOX]
+        if self.leader and config.under_launcher:
+            senders.append(keys.LAUNCHER)
+        self.mail = MailReader(self._connect, keys.node_box(config.node_rank), mail_w, protocol.mail_problem,
+                               tuple(senders))
+        self.outbox = Outbox(store, keys.node_box(config.node_rank))
         self.mail.start()
         if config.multinode and self.leader:
             self.node_leases = NodeLeases(store, list(range(1, config.min_nodes)), config.node_timeout,
@@ -213,7 +219,7 @@ class Agent:
         config = self.config
         if not self.leader:
             return Follower(config.node_rank, protocol.Plan(0, protocol.initial_members(self.sizes)),
-                            config.recovery.hang_timeout, self.store, self.log, self.console, self, self.pool,
+                            config.recovery.hang_timeout, self.outbox, self.log, self.console, self, self.pool,
                             self.lease)
         recovery = config.recovery
         options = RecoveryOptions(recovery.enabled, recovery.min_nproc, recovery.recovery_timeout,
@@ -222,7 +228,7 @@ class Agent:
                             config.multinode)
         leader = Leader(setup, self.store, self.log, self.console, self, self.pool, self.gpu_health)
         if self.node_leases is not None:
-            leader.nodes = RemoteNodes(self.store, self.node_leases, config.min_nodes, self.restart_count, self.log,
+            leader.nodes = RemoteNodes(self.outbox, self.node_leases, config.min_nodes, self.restart_count, self.log,
                                        self.console, self, leader)
         return leader
 

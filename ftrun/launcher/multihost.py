@@ -32,6 +32,7 @@ from ftrun.store import keys
 from ftrun.store.auth import Seal
 from ftrun.store.host import StoreHost
 from ftrun.store.job import JobStore
+from ftrun.store.mailbox import Outbox
 
 
 @dataclass
@@ -60,6 +61,7 @@ class HostLauncher:
         self.selector = selectors.DefaultSelector()
         self.agents: list[AgentProcess] = []
         self.store: JobStore | None = None
+        self.outbox: Outbox | None = None  # the launcher's messages to the leader (a node's agent ended)
 
     def run(self) -> int:
         """Launch, relay output until node 0's agent ends, stop the rest; node 0's exit code."""
@@ -74,6 +76,7 @@ class HostLauncher:
             with SignalWake((signal.SIGINT, signal.SIGTERM, signal.SIGHUP)) as wake:
                 self.selector.register(wake.fd, selectors.EVENT_READ, None)
                 self.store = JobStore(store_host.start(), Seal(self.config.secret))
+                self.outbox = Outbox(self.store, keys.LAUNCHER)
                 return self._relay(wake)
         finally:
             registry.unregister(entry)
@@ -162,8 +165,8 @@ class HostLauncher:
         if agent.exitcode != 0:
             why = f"the agent on {agent.host.name} ended: {self._why(agent)}"
             self.console.notice(f"ftrun: node {agent.node}: {why}", style="bold yellow")
-            self.store.post(keys.LEADER_BOX, {"t": protocol.NODE_GONE, "node": agent.node, "reason": why,
-                                              "since": agent.ended_at})
+            self.outbox.send(keys.LEADER_BOX, {"t": protocol.NODE_GONE, "node": agent.node, "reason": why,
+                                               "since": agent.ended_at})
         return False
 
     def _why(self, agent: AgentProcess) -> str:

@@ -85,29 +85,29 @@ class JobStore:
 
     # ------------------------------------------------------------ mailboxes
     def post(self, box: str, message: dict[str, Any]) -> int:
-        """Append ``message`` to mailbox ``box`` (any number of writers, one reader); returns its index.
+        """Append the command ``message`` to mailbox ``box`` (from any client); returns its index.
 
-        The index is part of the sealed key: a message cannot be replayed at another index.
+        The index is part of the sealed key: a command cannot be replayed at another index.
         """
         index = self.kv.add(keys.mail_count(box), 1)
         self._set(keys.mail_item(box, index), message)
         return index
 
-    def has_mail(self, box: str, index: int) -> bool:
-        """Whether something is stored at index ``index`` of ``box``."""
-        return self.kv.check([keys.mail_item(box, index)])
+    def send(self, box: str, sender: str, index: int, message: dict[str, Any]) -> None:
+        """Write ``sender``'s ``index``-th message to ``box`` (agents number their own: see ``Outbox``)."""
+        self._set(keys.sent_item(box, sender, index), message)
 
-    def read_mail(self, box: str, index: int) -> dict[str, Any]:
-        """Message ``index`` of ``box`` (something is stored there); MalformedValue if ftrun did not post it."""
-        return self._get(keys.mail_item(box, index))
+    def has_mail(self, key: str) -> bool:
+        """Whether something is stored at the mailbox key ``key``."""
+        return self.kv.check([key])
 
-    def discard_mail(self, box: str, index: int) -> None:
-        """Delete what is stored at index ``index`` of ``box`` (read, or given up on)."""
-        self.kv.delete_key(keys.mail_item(box, index))
+    def read_mail(self, key: str) -> dict[str, Any]:
+        """The message at mailbox key ``key`` (something is there); MalformedValue if ftrun did not write it."""
+        return self._get(key)
 
-    def mail_posted(self, box: str) -> int:
-        """How many indices of ``box`` writers have taken so far."""
-        return self.kv.add(keys.mail_count(box), 0)
+    def discard_mail(self, key: str) -> None:
+        """Delete what is at mailbox key ``key`` (read, or given up on)."""
+        self.kv.delete_key(key)
 
     def request(self, box: str, message: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
         """Post a command to ``box`` and wait for the reader's answer (UsageError when none comes)."""

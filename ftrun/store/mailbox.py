@@ -1,15 +1,19 @@
-"""The reading end of a mailbox: a thread that hands each message posted to one box to an event loop.
+"""Mailboxes: an agent's one reading thread, and the numbered messages each agent sends.
 
-A mailbox has one reader (an agent) and any number of writers (``JobStore.post``: other agents, the
-hostfile launcher, ``ftrun inject``). Posting is two store calls (``add`` takes the next index, ``set``
-writes the sealed message there); the reader checks for its next index every few milliseconds on a
-connection of its own.
+An agent's mailbox has one reader and two kinds of writers, each in its own lane of keys:
 
-Anyone who reaches the store can write to any index, before or after the writer that took it. So a value
+- agents (and the hostfile launcher) number the messages they send to each box themselves
+  (:class:`Outbox`): no store counter is involved, so nothing written to the store can keep an agent from
+  sending;
+- clients (``ftrun inject``) post commands through the box's counter (``JobStore.post``: ``add`` takes
+  the next index, ``set`` writes the command there).
+
+Anyone who reaches the store can write to any key, before or after the writer it belongs to. So a value
 that is not a sealed message (or not a valid one) never moves the reader on by itself: it is counted in
-:attr:`MailReader.dropped` and the reader waits for the writer that took the index to overwrite it; only
-once a writer took the index (``add``) and :data:`OVERWRITE_GRACE` seconds passed without a valid message
-there is the index given up.
+:attr:`MailReader.dropped`, and the reader waits for the writer of that index to overwrite it. An index is
+given up only :data:`OVERWRITE_GRACE` seconds after its writers were seen past it (the counter passed it,
+or the agent's next message waits behind it): its writer failed between taking it and writing it, or
+someone overwrote its message.
 """
 
 from __future__ import annotations
@@ -19,35 +23,68 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+from ftrun.store import keys
 from ftrun.store.job import JobStore, MalformedValue
 
 POLL_INTERVAL = 0.01
-"""Seconds between two looks for a mailbox's next message: a store round trip each, cheap."""
+"""Seconds between two looks for a mailbox's next messages: a store round trip per lane each, cheap."""
 RECONNECT_INTERVAL = 1.0
 """Seconds between two attempts to reach a store that stopped answering."""
 RECHECK_INTERVAL = 0.05
-"""Seconds between two reads of an index that holds something other than a valid message."""
+"""Seconds between two looks past an index that holds no valid message yet."""
 OVERWRITE_GRACE = 5.0
-"""Seconds the writer that took an index has to replace what someone else wrote there (its own ``set``
-follows its ``add`` at once)."""
+"""Seconds the writer of an index has to write it once the next index holds a valid message (a writer
+writes right after it numbers its message)."""
 
 Validator = Callable[[dict[str, Any]], "str | None"]
 """Why a message is not one the reader accepts, or None when it is."""
 
 
+class Outbox:
+    """What one agent (or the hostfile launcher) sends to other agents' mailboxes, numbered per box from 1."""
+
+    def __init__(self, store: JobStore, sender: str) -> None:
+        self.store = store
+        self.sender = sender
+        self.sent: dict[str, int] = {}
+
+    def send(self, box: str, message: dict[str, Any]) -> None:
+        """Send ``message`` to ``box``. Its number is taken even if the store call fails: the reader then gives
+        it up once a later message arrives."""
+        index = self.sent[box] = self.sent.get(box, 0) + 1
+        self.store.send(box, self.sender, index, message)
+
+
+@dataclass
+class _Lane:
+    """One writer's (or the clients') sequence of keys in a box, and how far the reader got."""
+
+    key: Callable[[int], str]
+    passed: Callable[[JobStore, _Lane], bool]  # whether the lane's writers are past its index
+    index: int = 1
+    refused: int = 0  # the last index whose value was refused (and counted)
+    waiting_since: float | None = None  # when a valid message was first seen behind ``index``
+    next_look: float = 0.0  # when to look past ``index`` again
+
+    def advance(self) -> None:
+        self.index += 1
+        self.waiting_since, self.next_look = None, 0.0
+
+
 class MailReader:
-    """Waits for each next message of one box and queues it for an event loop.
+    """Reads one box, its commands and the messages of the agents in ``senders``, for an event loop.
 
     It uses a store connection of its own (so the loop's calls never queue behind it), writes a byte to
     ``wake_fd`` so the loop can select on it, and :meth:`take` returns what arrived. A value that is not a
-    sealed JSON object, or that ``validate`` refuses, is dropped and counted in :attr:`dropped`, never
-    handed on.
+    sealed JSON object, or that ``validate`` refuses, is dropped and counted in :attr:`dropped`, never handed
+    on. The reader only reads, checks and deletes keys: no value anyone writes can break its connection.
     """
 
     def __init__(self, connect: Callable[[], JobStore], box: str, wake_fd: int,
-                 validate: Validator = lambda message: None) -> None:
+                 validate: Validator = lambda message: None, senders: tuple[str, ...] = ()) -> None:
         self.box = box
         self.wake_fd = wake_fd
         self.dropped = 0
@@ -55,6 +92,9 @@ class MailReader:
         """Why the last value dropped was refused."""
         self._validate = validate
         self._connect = connect
+        self._lanes = [_Lane(lambda i: keys.mail_item(box, i), self._counter_passed)]
+        self._lanes += [_Lane(lambda i, sender=sender: keys.sent_item(box, sender, i), self._next_is_valid)
+                        for sender in senders]
         self._queue: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"ftrun-mail-{box}", daemon=True)
@@ -68,55 +108,75 @@ class MailReader:
         self._stop.set()
 
     def take(self) -> list[dict[str, Any]]:
-        """The messages that arrived since the last call, in order."""
+        """The messages that arrived since the last call, in order (per writer)."""
         messages = []
         while not self._queue.empty():
             messages.append(self._queue.get())
         return messages
 
     def _run(self) -> None:
-        store = None
-        index = 1
-        refused = False  # whether what is at ``index`` was refused (and counted) already
-        taken_since: float | None = None  # when a writer was first seen to hold ``index`` while it was refused
         retry = 0.0  # seconds before the next attempt to reach the store
         while not self._stop.wait(retry):
             try:
                 retry = RECONNECT_INTERVAL
-                store = store or self._connect()
+                store = self._connect()
                 retry = 0.0
-                while not store.has_mail(self.box, index):  # check, not wait: a wait that times out logs
-                    if self._stop.wait(POLL_INTERVAL):
-                        return
-                message, problem = self._read(store, index)
-                if problem is not None:
-                    if not refused:
-                        refused = True
-                        self.dropped += 1
-                        self.last_dropped = problem
-                    if taken_since is None and store.mail_posted(self.box) >= index:
-                        taken_since = time.monotonic()
-                    if taken_since is None or time.monotonic() - taken_since < OVERWRITE_GRACE:
-                        self._stop.wait(RECHECK_INTERVAL)
-                        continue
-                store.discard_mail(self.box, index)
+                while not self._stop.is_set():
+                    now = time.monotonic()
+                    if not any([self._pump(store, lane, now) for lane in self._lanes]):  # every lane, each pass
+                        self._stop.wait(POLL_INTERVAL)  # check, not wait: a store wait that times out logs
             except RuntimeError:  # the store went away: connect again
-                store = None
                 continue
-            index += 1
-            refused, taken_since = False, None
+
+    def _pump(self, store: JobStore, lane: _Lane, now: float) -> bool:
+        """Hand on the message at ``lane``'s index, or give the index up; whether the lane moved on."""
+        key = lane.key(lane.index)
+        if store.has_mail(key):
+            message, problem = self._read(store, key)
             if problem is None:
+                store.discard_mail(key)
+                lane.advance()
                 self._queue.put(message)
                 try:
                     os.write(self.wake_fd, b"m")
                 except BlockingIOError:
                     pass  # the loop has not read the earlier wake-ups yet: it will see this message too
+                return True
+            if lane.refused != lane.index:
+                lane.refused = lane.index
+                self.dropped += 1
+                self.last_dropped = problem
+        if now < lane.next_look:
+            return False
+        lane.next_look = now + RECHECK_INTERVAL
+        if lane.waiting_since is None:
+            if lane.passed(store, lane):
+                lane.waiting_since = now
+        elif now - lane.waiting_since >= OVERWRITE_GRACE:
+            store.discard_mail(key)
+            lane.advance()
+            return True
+        return False
 
-    def _read(self, store: JobStore, index: int) -> tuple[dict[str, Any], str | None]:
-        """Message ``index``, and why it is refused (None when it is handed on)."""
+    def _counter_passed(self, store: JobStore, lane: _Lane) -> bool:
+        """Whether a client took the command index ``lane`` is at (the counter is read with ``get``: ``add`` on
+        a counter that holds no number makes the store drop the connection)."""
+        counter = keys.mail_count(self.box)
+        if not store.has_mail(counter):
+            return False
+        taken = store.kv.get(counter)
+        return taken.isdigit() and len(taken) < 20 and int(taken) >= lane.index
+
+    def _next_is_valid(self, store: JobStore, lane: _Lane) -> bool:
+        """Whether the agent's message after the index ``lane`` is at waits (an agent writes in order)."""
+        behind = lane.key(lane.index + 1)
+        return store.has_mail(behind) and self._read(store, behind)[1] is None
+
+    def _read(self, store: JobStore, key: str) -> tuple[dict[str, Any], str | None]:
+        """The message at ``key``, and why it is refused (None when it is handed on)."""
         try:
-            message = store.read_mail(self.box, index)
+            message = store.read_mail(key)
         except MalformedValue as exc:
             return {}, str(exc)
         problem = self._validate(message)
-        return message, None if problem is None else f"mailbox {self.box}, message {index}: {problem}"
+        return message, None if problem is None else f"{key}: {problem}"

@@ -19,7 +19,7 @@ from ftrun.store.auth import Seal, new_secret
 from ftrun.store.client import connect, open_client, parse_endpoint
 from ftrun.store.job import JobStore, MalformedValue
 from ftrun.store.leases import FENCE_FRACTION, LeaseKeeper, NodeLeases
-from ftrun.store.mailbox import MailReader
+from ftrun.store.mailbox import MailReader, Outbox
 
 SECRET = new_secret()
 
@@ -87,14 +87,14 @@ def test_a_value_sealed_with_another_secret_or_for_another_key_is_refused(served
 
 @pytest.fixture
 def reading(served, monkeypatch):
-    """Start a MailReader on box node3 (grace for an index taken but never written: 0.2 s); returns a function
+    """Start a MailReader on box node3, reading commands and what node1 sends (grace: 0.2 s); returns a function
     that waits for ``n`` messages and returns them, and the reader."""
     from ftrun.store import mailbox
 
     monkeypatch.setattr(mailbox, "OVERWRITE_GRACE", 0.2)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
-    reader = MailReader(served, "node3", wake_w, lambda m: None if m.get("t") != "bad" else "a bad kind")
+    reader = MailReader(served, "node3", wake_w, lambda m: None if m.get("t") != "bad" else "a bad kind", ("node1",))
 
     def receive(n: int) -> list[dict]:
         received: list[dict] = []
@@ -112,7 +112,7 @@ def reading(served, monkeypatch):
 
 
 @pytest.mark.fast
-def test_the_mail_reader_hands_on_messages_in_order_and_drops_what_is_not_a_valid_message(served, reading):
+def test_the_mail_reader_hands_on_commands_in_order_and_drops_what_is_not_a_valid_message(served, reading):
     receive, reader = reading
     store, stranger = served(), served(new_secret())
     store.post("node3", {"t": "a"})
@@ -127,20 +127,35 @@ def test_the_mail_reader_hands_on_messages_in_order_and_drops_what_is_not_a_vali
 
 
 @pytest.mark.fast
-def test_junk_written_ahead_of_a_writer_does_not_cost_its_message(served, reading):
-    """Junk at the index the next writer will take is not read as that message and does not move the reader
-    on: the writer's message replaces it and is handed on."""
+def test_junk_written_ahead_of_an_agent_does_not_cost_its_messages(served, reading):
+    """Junk at the index an agent will send next is not read as its message and does not move the reader on:
+    the agent's message replaces it and is handed on. A message sealed for another index is junk too."""
     receive, reader = reading
     store = served()
-    store.kv.set(keys.mail_item("node3", 1), b"junk written first")
-    store.kv.set(keys.mail_item("node3", 2), store.seal.seal(keys.mail_item("node3", 1), b'{"t": "moved"}'))
+    outbox = Outbox(store, "node1")
+    store.kv.set(keys.sent_item("node3", "node1", 1), b"junk written first")
+    replay = store.seal.seal(keys.sent_item("node3", "node1", 1), b'{"t": "moved"}')
+    store.kv.set(keys.sent_item("node3", "node1", 2), replay)
     until(lambda: reader.dropped == 1)
-    assert select.select([], [], [], 0.5) == ([], [], [])  # well past the grace: nobody took index 1 yet
-    store.post("node3", {"t": "first"})
+    assert select.select([], [], [], 0.5) == ([], [], [])  # well past the grace: no valid message behind it
+    outbox.send("node3", {"t": "first"})
     assert receive(1) == [{"t": "first"}]
-    until(lambda: reader.dropped == 2)  # index 2 holds a message sealed for index 1: a replay, refused
-    store.post("node3", {"t": "second"})
+    until(lambda: reader.dropped == 2)
+    outbox.send("node3", {"t": "second"})
     assert receive(1) == [{"t": "second"}] and reader.dropped == 2
+
+
+@pytest.mark.fast
+def test_an_index_never_written_is_given_up_once_a_later_message_waits(served, reading):
+    receive, reader = reading
+    store = served()
+    outbox = Outbox(store, "node1")
+    outbox.sent["node3"] = 1  # message 1 was numbered, and its write failed
+    outbox.send("node3", {"t": "after a lost one"})
+    index = store.kv.add(keys.mail_count("node3"), 1)  # a client that took an index and died
+    store.post("node3", {"t": "a command after it"})
+    assert sorted(m["t"] for m in receive(2)) == ["a command after it", "after a lost one"]
+    assert reader.dropped == 0 and index == 1
 
 
 @pytest.mark.fast
@@ -157,11 +172,24 @@ def test_a_message_replayed_at_a_later_index_is_refused(served, reading):
 
 
 @pytest.mark.fast
+def test_junk_in_a_mailbox_counter_stops_no_agent_message(served, reading):
+    """The counter is the clients' only: a value there that is no number makes the store refuse their
+    commands (a denial the seal cannot prevent), but agents number their own messages."""
+    receive, _ = reading
+    store, client = served(), served()
+    store.kv.set(keys.mail_count("node3"), b"not a number")
+    Outbox(store, "node1").send("node3", {"t": "still here"})
+    assert receive(1) == [{"t": "still here"}]
+    with pytest.raises(RuntimeError):
+        client.post("node3", {"cmd": "ping"})
+
+
+@pytest.mark.fast
 def test_a_command_without_an_answer_is_one_clear_error(served):
     store = served()
     with pytest.raises(UsageError, match="did not answer within 1 s"):
         store.request("node0", {"cmd": "ping"}, timeout=1.0)
-    posted = store.read_mail("node0", 1)
+    posted = store.read_mail(keys.mail_item("node0", 1))
     store.reply(posted, {"ok": True})  # answered late: the reply key is written, the asker is gone
     assert store.kv.check([keys.reply(posted["reply_to"])])
     store.reply({"reply_to": 7}, {"ok": True})  # not a token ftrun wrote: nothing happens
@@ -175,7 +203,7 @@ def test_a_forged_answer_is_not_taken_for_the_jobs(served):
 
     def forge() -> None:  # answers as soon as the command is posted, with another secret
         watcher.kv.wait([keys.mail_item("node0", 1)], timedelta(seconds=10))
-        stranger.reply(watcher.read_mail("node0", 1), {"ok": True, "forged": True})
+        stranger.reply(watcher.read_mail(keys.mail_item("node0", 1)), {"ok": True, "forged": True})
 
     thread = threading.Thread(target=forge)
     thread.start()
