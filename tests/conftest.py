@@ -32,6 +32,16 @@ def launcher_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
+def secret_file(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A secret file (mode 0600) for the nodes of a job started one by one (FTRUN_SECRET_FILE)."""
+    from ftrun.store.auth import new_secret, write_secret_file
+
+    path = tmp_path_factory.mktemp("secret") / "secret"
+    write_secret_file(path, new_secret())
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def workload():
     """The path of a helper script in tests/workloads, as a string."""
 

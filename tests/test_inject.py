@@ -34,8 +34,8 @@ SLOW = 1.0  # seconds the slow drill adds to each step: 5x the held pace
 class LiveJob:
     """A held job started by the ``live_job`` fixture: its output lines (with arrival times) and events."""
 
-    def __init__(self, proc: subprocess.Popen, log_dir: Path, hold: Path) -> None:
-        self.proc, self.hold = proc, hold
+    def __init__(self, proc: subprocess.Popen, log_dir: Path, hold: Path, run_id: str) -> None:
+        self.proc, self.hold, self.run_id = proc, hold, run_id
         self.lines: queue.Queue[tuple[float, str | None]] = queue.Queue()
         self.stdout: list[str] = []
         self.stderr: list[str] = []
@@ -114,9 +114,9 @@ def held_job(live_job, workload, tmp_path):
     def start(*flags: str) -> LiveJob:
         hold, log_dir = tmp_path / "hold", tmp_path / "logs"
         hold.touch()
-        proc, _ = live_job("--nproc-per-node", 4, "--hang-timeout", 3, "--log-dir", log_dir, *flags,
-                           workload("held_train.py"), *TRAINING, env={"HOLD": str(hold)})
-        return LiveJob(proc, log_dir, hold)
+        proc, entry = live_job("--nproc-per-node", 4, "--hang-timeout", 3, "--log-dir", log_dir, *flags,
+                               workload("held_train.py"), *TRAINING, env={"HOLD": str(hold)})
+        return LiveJob(proc, log_dir, hold, entry.run_id)
 
     return start
 
@@ -155,7 +155,8 @@ def test_slow_kill_exception_and_hang_drills_on_one_live_job(held_job, baseline,
     assert any(gap < SLOW for gap, _ in islice(gaps, 3))  # held pace: the slow drill below is measurable
 
     code, out, _ = inject(capsys, "slow", str(SLOW), "--rank", "0")
-    assert code == 0 and out.startswith("rank 0 (pid ") and out.endswith(f": each step slowed by {SLOW:g} s\n")
+    assert code == 0 and out.startswith(f"run {job.run_id}: rank 0 (pid ")
+    assert out.endswith(f": each step slowed by {SLOW:g} s\n")
     slowed = since(gaps, time.monotonic())
     assert any(gap >= SLOW for gap in islice(slowed, 5))  # the drill reaches the worker within a few steps
     assert all(gap >= SLOW for gap in islice(slowed, 3))
@@ -170,7 +171,7 @@ def test_slow_kill_exception_and_hang_drills_on_one_live_job(held_job, baseline,
 
     for kind, rank, world in (("kill", 3, 4), ("exception", 2, 3), ("hang", 1, 2)):
         code, out, _ = inject(capsys, kind, "--rank", str(rank))
-        assert code == 0 and out.startswith(f"rank {rank} (pid "), out
+        assert code == 0 and out.startswith(f"run {job.run_id}: rank {rank} (pid "), out
         injected = job.await_event(event="inject", kind=kind, rank=rank)
         if kind == "hang":
             hang = job.await_event(event="hang", pid=injected["pid"])
@@ -194,6 +195,7 @@ def test_chaos_injects_seeded_faults_each_recovered_in_place(held_job, baseline,
     code, out, err = inject(capsys, "chaos", "--mtbf", "0.5", "--duration", "60", "--kinds", "kill,hang,exception",
                             "--seed", "26")
     assert code == 0, out + err
+    assert out.startswith(f"chaos: run {job.run_id}, MTBF 0.5 s")
     assert out.count(": recovered in ") == 3 and "one live rank left" in out, out
     assert job.finish() == 0, "".join(job.stderr)[-3000:]
     injected = job.of("inject")
@@ -237,17 +239,31 @@ def test_an_exception_drill_needs_the_worker_api_and_is_refused_in_one_line(live
     assert "rank 1 does not use the ftrun worker API" in err
 
 
-@pytest.mark.parametrize("args, message", [
-    (["kill", "--rank", "0"], "no running ftrun job found on this machine"),
-    (["frobnicate", "--rank", "0"], "unknown drill 'frobnicate'"),
-    (["kill"], "inject kill needs --rank R"),
-    (["chaos", "--mtbf", "1"], "inject chaos needs --mtbf SECONDS and --duration SECONDS"),
+@pytest.mark.parametrize("args, code, message", [
+    (["kill", "--rank", "0"], 3, "no ftrun job is running on this machine"),
+    (["kill", "--rank", "0", "--run-id", "gone"], 3, "no ftrun job is running with run id 'gone'"),
+    (["frobnicate", "--rank", "0"], 2, "unknown drill 'frobnicate'"),
+    (["kill"], 2, "inject kill needs --rank R"),
+    (["chaos", "--mtbf", "1"], 2, "inject chaos needs --mtbf SECONDS and --duration SECONDS"),
+    (["kill", "--rank", "0", "--endpoint", "h:1"], 2, "the job at h:1 signs its store with its secret"),
+    (["kill", "--rank", "0", "--endpoint", "h:1", "--run-id", "x"], 2, "--endpoint names the job already"),
 ])
-def test_bad_targets_are_one_line_and_exit_2(args, message, private_registry):
+def test_bad_targets_are_one_line(args, code, message, private_registry):
     result = subprocess.run([sys.executable, "-m", "ftrun", "inject", *args], env=private_registry, capture_output=True,
                             text=True, timeout=60)
-    assert result.returncode == 2 and result.stdout == ""
+    assert result.returncode == code and result.stdout == ""
     assert result.stderr.startswith("ftrun: error: " + message) and result.stderr.count("\n") == 1, result.stderr
+
+
+def test_with_two_jobs_running_inject_lists_them_and_touches_neither(live_job, workload, tmp_path, capsys):
+    jobs = [live_job("--nproc-per-node", 1, workload("wait_forever.py"), tmp_path) for _ in range(2)]
+    code, out, err = inject(capsys, "kill", "--rank", "0")
+    assert (code, out) == (2, "") and err.count("\n") == 1 and "2 ftrun jobs are running: " in err, err
+    assert all(entry.run_id in err for _, entry in jobs)
+    assert all(proc.poll() is None for proc, _ in jobs)  # nobody was killed
+    code, out, _ = inject(capsys, "kill", "--rank", "0", "--run-id", jobs[1][1].run_id)
+    assert code == 0 and out.startswith(f"run {jobs[1][1].run_id}: rank 0 (pid "), out
+    assert jobs[0][0].poll() is None
 
 
 @pytest.mark.fast

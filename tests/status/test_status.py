@@ -107,8 +107,11 @@ def test_status_of_a_live_job_through_a_fault_and_after_it_ends(live_job, launch
     first = doc["step"]
     steps.reach(first + 10)
     code, doc = poll(capsys, steps, lambda d: d["step"] >= first + 10 and d["steps_per_s"],
-                     "--endpoint", entry.endpoint)
+                     "--endpoint", entry.endpoint, "--secret-file", str(Path(entry.run_dir, "secret")))
     assert code == 0 and all(w["step"] is not None and w["step"] > first for w in doc["workers"])
+    assert doc["dropped_messages"] == {"mail": 0, "channel": 0, "last": None}
+    assert (Path(entry.run_dir).stat().st_mode & 0o777, Path(entry.run_dir, "secret").stat().st_mode & 0o777) \
+        == (0o700, 0o600)
 
     os.kill(pids[2], signal.SIGKILL)
     code, doc = poll(capsys, steps, lambda d: d["recoveries"]["count"] == 1 and d["state"] == "running",
@@ -166,10 +169,28 @@ def test_no_such_job_is_one_line_and_exit_code_3(private_registry, launcher_env,
         assert code == 3 and err.startswith(f"ftrun: error: {message}") and err.count("\n") == 1, err
 
 
-def test_bad_flags_are_one_line_and_exit_code_2(private_registry, capsys):
-    for args in (("--endpoint", "nohost"), ("--json", "--watch"), ("--endpoint", "a:1", "--run-id", "x")):
+def test_bad_flags_are_one_line_and_exit_code_2(private_registry, tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("FTRUN_SECRET_FILE", raising=False)
+    loose = tmp_path / "loose"
+    loose.write_text("x" * 64)
+    loose.chmod(0o644)
+    for args, message in ((("--endpoint", "nohost"), "expected HOST:PORT"),
+                          (("--json", "--watch"), "do not go together"),
+                          (("--endpoint", "a:1", "--run-id", "x"), "--endpoint names the job already"),
+                          (("--endpoint", "a:1"), "the job at a:1 signs its store with its secret: pass --secret-file"),
+                          (("--endpoint", "a:1", "--secret-file", str(loose)), "other users may read it"),
+                          (("--secret-file", str(loose)), "--secret-file goes with --endpoint")):
         code, err = failed(capsys, *args)
-        assert code == 2 and err.startswith("ftrun: error: ") and err.count("\n") == 1, err
+        assert code == 2 and err.startswith("ftrun: error: ") and err.count("\n") == 1 and message in err, err
+
+
+def test_with_two_jobs_running_status_lists_them_and_acts_on_neither(live_job, workload, tmp_path, capsys):
+    jobs = [live_job("--nproc-per-node", "1", workload("wait_forever.py"), tmp_path)[1] for _ in range(2)]
+    code, err = failed(capsys)
+    assert code == 2 and err.count("\n") == 1 and "2 ftrun jobs are running: " in err, err
+    assert all(job.run_id in err for job in jobs) and "name one with --run-id RUN_ID" in err
+    code, doc = status_json(capsys, "--run-id", jobs[1].run_id)
+    assert doc["run_id"] == jobs[1].run_id
 
 
 @pytest.mark.fast
