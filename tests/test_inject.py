@@ -23,10 +23,9 @@ from ftrun import protocol
 from ftrun.inject import ChaosSchedule, EventFollower, drill_message
 from ftrun.errors import UsageError
 from ftrun.worker.injected import InjectedFault, WorkerDrills
-from runs import COMMIT, RTOL
+from runs import COMMIT, HELD_STEPS, HELD_TRAINING, RTOL
 
-STEPS = 200
-TRAINING = ["--steps", str(STEPS), "--width", "256"]
+STEPS, TRAINING = HELD_STEPS, HELD_TRAINING
 DEADLINE = 90.0  # seconds any one awaited thing may take on a busy machine
 SLOW = 1.0  # seconds the slow drill adds to each step: 5x the held pace
 
@@ -93,20 +92,6 @@ class LiveJob:
         assert steps == set(range(STEPS))
 
 
-@pytest.fixture(scope="module")
-def baseline(run_ftrun, workload, tmp_path_factory) -> dict[int, float]:
-    """The fault-free run's loss per step."""
-    result = run_ftrun("--nproc-per-node", 4, workload("held_train.py"), *TRAINING, timeout=150)
-    assert result.returncode == 0, result.stderr[-3000:]
-    losses = {}
-    for line in result.stdout.splitlines():
-        match = COMMIT.search(line)
-        if match and match[1] == "0":
-            losses[int(match[4])] = float(match[5])
-    assert sorted(losses) == list(range(STEPS))
-    return losses
-
-
 @pytest.fixture
 def held_job(live_job, workload, tmp_path):
     """Start a held 4-worker job with --hang-timeout 3 (and more ftrun flags); returns its LiveJob."""
@@ -147,7 +132,7 @@ def check_in_place(recovery: dict, lost_rank: int, world_before: int) -> None:
     assert (recovery["world_before"], recovery["world_after"]) == (world_before, world_before - 1), recovery
 
 
-def test_slow_kill_exception_and_hang_drills_on_one_live_job(held_job, baseline, capsys):
+def test_slow_kill_exception_and_hang_drills_on_one_live_job(held_job, held_baseline, capsys):
     """Slow rank 0, then clear it; kill rank 3, raise in rank 2, hang rank 1: three in-place recoveries."""
     job = held_job()
     gaps = gaps_of(job.commits(uid=0))
@@ -185,10 +170,10 @@ def test_slow_kill_exception_and_hang_drills_on_one_live_job(held_job, baseline,
     hung = {e["uid"] for e in job.of("hang")}
     assert exits == {0: 0, 1: -9, 2: -9 if 2 in hung else 1, 3: -9} and 1 in hung
     assert "InjectedFault: exception injected by ftrun inject into rank 2" in "".join(job.stderr)
-    job.check_losses(baseline)
+    job.check_losses(held_baseline)
 
 
-def test_chaos_injects_seeded_faults_each_recovered_in_place(held_job, baseline, capsys):
+def test_chaos_injects_seeded_faults_each_recovered_in_place(held_job, held_baseline, capsys):
     """Chaos at a 0.5 s MTBF over kill, hang and exception takes ranks until one is left, each recovered."""
     job = held_job()
     next(step for _, step in job.commits(uid=0) if step >= 3)
@@ -209,10 +194,10 @@ def test_chaos_injects_seeded_faults_each_recovered_in_place(held_job, baseline,
     assert [(e["kind"], e["rank"]) for e in injected] == expected
     assert [r["lost_uids"] for r in recoveries] == [[e["uid"]] for e in injected]
     assert [r["world_after"] for r in recoveries] == [3, 2, 1] and all(r["steps_lost"] == 0 for r in recoveries)
-    job.check_losses(baseline)
+    job.check_losses(held_baseline)
 
 
-def test_xid_and_ecc_drills_go_through_the_gpu_health_policy(held_job, baseline, capsys):
+def test_xid_and_ecc_drills_go_through_the_gpu_health_policy(held_job, held_baseline, capsys):
     """On a CPU job each local rank stands for a GPU: Xid 48 and an uncorrected ECC error evict the GPU (its
     rank is lost, the others recover in place); Xid 92 is only recorded."""
     job = held_job()
@@ -229,7 +214,7 @@ def test_xid_and_ecc_drills_go_through_the_gpu_health_policy(held_job, baseline,
             check_in_place(job.await_event(event="recovery", lost_uids=[injected["uid"]]), rank, world)
     assert job.finish() == 0, "".join(job.stderr)[-3000:]
     assert len(job.of("recovery")) == 2 and {e["gpu"] for e in job.of("gpu_health")} == {3, 2, 0}
-    job.check_losses(baseline)
+    job.check_losses(held_baseline)
 
 
 def test_an_exception_drill_needs_the_worker_api_and_is_refused_in_one_line(live_job, workload, tmp_path, capsys):

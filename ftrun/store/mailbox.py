@@ -13,7 +13,7 @@ that is not a sealed message (or not a valid one) never moves the reader on by i
 :attr:`MailReader.dropped`, and the reader waits for the writer of that index to overwrite it. An index is
 given up only :data:`OVERWRITE_GRACE` seconds after its writers were seen past it (the counter passed it,
 or the agent's next message waits behind it): its writer failed between taking it and writing it, or
-someone overwrote its message.
+someone overwrote its message. Indices seen passed together are given up together.
 """
 
 from __future__ import annotations
@@ -63,15 +63,18 @@ class _Lane:
     """One writer's (or the clients') sequence of keys in a box, and how far the reader got."""
 
     key: Callable[[int], str]
-    passed: Callable[[JobStore, _Lane], bool]  # whether the lane's writers are past its index
+    passed: Callable[[JobStore, _Lane], int]  # the last index its writers are known to be past (0: none)
     index: int = 1
     refused: int = 0  # the last index whose value was refused (and counted)
-    waiting_since: float | None = None  # when a valid message was first seen behind ``index``
+    passed_since: float | None = None  # when the writers were first seen past ``index``...
+    passed_upto: int = 0  # ... and every index up to this one
     next_look: float = 0.0  # when to look past ``index`` again
 
     def advance(self) -> None:
         self.index += 1
-        self.waiting_since, self.next_look = None, 0.0
+        self.next_look = 0.0
+        if self.index > self.passed_upto:
+            self.passed_since = None
 
 
 class MailReader:
@@ -149,28 +152,27 @@ class MailReader:
         if now < lane.next_look:
             return False
         lane.next_look = now + RECHECK_INTERVAL
-        if lane.waiting_since is None:
-            if lane.passed(store, lane):
-                lane.waiting_since = now
-        elif now - lane.waiting_since >= OVERWRITE_GRACE:
+        if lane.passed_since is None:
+            lane.passed_upto = lane.passed(store, lane)
+            if lane.passed_upto >= lane.index:
+                lane.passed_since = now
+        elif now - lane.passed_since >= OVERWRITE_GRACE:
             store.discard_mail(key)
             lane.advance()
             return True
         return False
 
-    def _counter_passed(self, store: JobStore, lane: _Lane) -> bool:
-        """Whether a client took the command index ``lane`` is at (the counter is read with ``get``: ``add`` on
-        a counter that holds no number makes the store drop the connection)."""
+    def _counter_passed(self, store: JobStore, lane: _Lane) -> int:
+        """How many command indices clients took (the counter is read with ``get``: ``add`` on a counter that
+        holds no number makes the store drop the connection)."""
         counter = keys.mail_count(self.box)
-        if not store.has_mail(counter):
-            return False
-        taken = store.kv.get(counter)
-        return taken.isdigit() and len(taken) < 20 and int(taken) >= lane.index
+        taken = store.kv.get(counter) if store.has_mail(counter) else b""
+        return int(taken) if taken.isdigit() and len(taken) < 20 else 0
 
-    def _next_is_valid(self, store: JobStore, lane: _Lane) -> bool:
-        """Whether the agent's message after the index ``lane`` is at waits (an agent writes in order)."""
+    def _next_is_valid(self, store: JobStore, lane: _Lane) -> int:
+        """``lane``'s index when the agent's next message waits behind it (an agent writes in order), else 0."""
         behind = lane.key(lane.index + 1)
-        return store.has_mail(behind) and self._read(store, behind)[1] is None
+        return lane.index if store.has_mail(behind) and self._read(store, behind)[1] is None else 0
 
     def _read(self, store: JobStore, key: str) -> tuple[dict[str, Any], str | None]:
         """The message at ``key``, and why it is refused (None when it is handed on)."""
