@@ -387,7 +387,7 @@ def _hosts(hostfile: str | None, host_list: str | None, *, nnodes: int, node_ran
         return None
     if nnodes > 1 or node_rank is not None:
         raise UsageError("--hostfile/-H starts every node from here: remove --nnodes and --node-rank")
-    return read_hostfile(hostfile) if hostfile else parse_host_list(host_list)
+    return read_hostfile(hostfile) if hostfile is not None else parse_host_list(host_list)
 
 
 def parse_rdzv_conf(text: str) -> dict[str, str]:

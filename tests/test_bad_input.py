@@ -27,6 +27,7 @@ def policy(name: str, content: bytes):
     (["--rdzv-endpoint", "localhost:" + HUGE], "is not HOST:PORT with a port from 1 to 65535"),
     (["-H", f"localhost:{HUGE}"], "-H entry 1: bad slot count '99999999999999999999': use a whole number from 1"),
     (["-H", ""], "-H entry 1: empty entry"),
+    (["--hostfile", ""], "cannot read hostfile : "),
     (["--nproc-per-node", "100000"], "--nproc-per-node 100000: give between 1 and 1024 workers per node"),
     (["--nproc-per-node", HUGE], "--nproc-per-node '99999999999999999999' is not valid"),
     (["--spares", "2000"], "--spares 2000: give 0 or more, and at most 1024"),

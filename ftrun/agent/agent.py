@@ -38,7 +38,7 @@ from ftrun.store.auth import Seal, write_secret_file
 from ftrun.store.client import open_client, open_client_retrying
 from ftrun.store.host import StoreHost
 from ftrun.store.job import JobStore
-from ftrun.store.leases import LeaseKeeper, NodeLeases
+from ftrun.store.leases import LeaseKeeper, NodeLeases, fence_margin
 from ftrun.store.mailbox import MailReader, Outbox
 
 STORE_TIMEOUT = 300.0
@@ -184,9 +184,9 @@ class Agent:
             store = JobStore(self.store_host.start(), self.seal)
         elif self.leader:
             store = self._connect()
-        else:  # short calls, so that its loop goes on to fence itself if the store stops answering
-            store = JobStore(open_client_retrying(config.store.host, config.store.port, config.node_timeout / 2,
-                                                  STORE_TIMEOUT), self.seal)
+        else:  # calls short enough that its loop, cut off, still fences itself before the leader evicts it
+            call = fence_margin(config.node_timeout) / 2
+            store = JobStore(open_client_retrying(config.store.host, config.store.port, call, STORE_TIMEOUT), self.seal)
         if self.leader:
             store.write_job({"run_id": self.run_dir.name, "rdzv_id": config.run_id, "nnodes": config.min_nodes,
                              "world_size": config.world_size, "run_dir": str(self.run_dir)})

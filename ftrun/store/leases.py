@@ -47,8 +47,11 @@ class LeaseKeeper:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop renewing (at the next renewal)."""
+        """Stop renewing, and wait for a renewal under way to end (it gives up within its connection's timeout):
+        a thread still inside torch's store client when the interpreter exits aborts the process."""
         self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(self.timeout)
 
     def fence_reason(self, now: float) -> str | None:
         """Why this node must stop its workers at monotonic time ``now``, or None while its lease holds."""

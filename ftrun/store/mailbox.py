@@ -35,6 +35,8 @@ RECONNECT_INTERVAL = 1.0
 """Seconds between two attempts to reach a store that stopped answering."""
 RECHECK_INTERVAL = 0.05
 """Seconds between two looks past an index that holds no valid message yet."""
+STOP_WAIT = 5.0
+"""Seconds :meth:`MailReader.stop` waits for the thread (its store calls return in milliseconds)."""
 OVERWRITE_GRACE = 5.0
 """Seconds the writer of an index has to write it once the next index holds a valid message (a writer
 writes right after it numbers its message)."""
@@ -107,8 +109,12 @@ class MailReader:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop at the next wake-up; messages not yet read stay in the store."""
+        """Stop, and wait (a few seconds at most) for the thread to leave its store call: a thread still inside
+        torch's store client when the interpreter exits aborts the process (``terminate called without an
+        active exception``). Messages not yet read stay in the store."""
         self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(STOP_WAIT)
 
     def take(self) -> list[dict[str, Any]]:
         """The messages that arrived since the last call, in order (per writer)."""
