@@ -213,10 +213,10 @@ def inject(
             raise UsageError("inject chaos picks its ranks itself: drop --rank and the value")
         chosen = injection.parse_kinds(kinds)
         injection.check_chaos(mtbf, duration)
-        job = injection.Job.connect(*injection.job_target(run_id, endpoint, secret_file))
+        job = injection.Job.connect(injection.job_store(run_id, endpoint, secret_file))
         raise typer.Exit(injection.run_chaos(job, mtbf, duration, chosen, seed))
     message = injection.drill_message(kind, value, rank, duration_of_slow)
-    job = injection.Job.connect(*injection.job_target(run_id, endpoint, secret_file))
+    job = injection.Job.connect(injection.job_store(run_id, endpoint, secret_file))
     answer = job.inject(message)
     print(f"run {answer['run']}: {answer['message']}")
 

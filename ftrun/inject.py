@@ -24,8 +24,7 @@ from ftrun.errors import NoSuchJob, UsageError
 from ftrun.lines import LineBuffer
 from ftrun.protocol import DRILL_KINDS
 from ftrun.store import keys
-from ftrun.store.auth import Seal, secret_for_endpoint
-from ftrun.store.client import connect
+from ftrun.store.client import connect_job, parse_endpoint
 from ftrun.store.job import JobStore, MalformedValue
 
 CHAOS_KINDS = ("kill", "hang", "exception", "xid", "ecc")
@@ -79,17 +78,18 @@ def _count(text: str | None, usage: str, what: str) -> int:
 
 
 # ------------------------------------------------------------------------------------- the job
-def job_target(run_id: str | None, endpoint: str | None, secret_file: str | None) -> tuple[str, str]:
-    """(HOST:PORT, secret) of the one job to drill: --endpoint with --secret-file, else the job running here
-    named by --run-id, or the only one (NoSuchJob when there is none, UsageError when there are several)."""
+def job_store(run_id: str | None, endpoint: str | None, secret_file: str | None) -> JobStore:
+    """The store of the one job to drill: --endpoint (with --secret-file), else the job running here named by
+    --run-id, or the only one (NoSuchJob when there is none, UsageError when there are several)."""
     if endpoint:
         if run_id:
             raise UsageError("--endpoint names the job already; drop --run-id")
-        return endpoint, secret_for_endpoint(secret_file, endpoint)
+        parse_endpoint(endpoint)
+        return connect_job(endpoint, None, secret_file)
     if secret_file:
         raise UsageError("--secret-file goes with --endpoint: a job running here is found with its secret")
     entry = registry.only_running(run_id, "pass --endpoint HOST:PORT and --secret-file FILE for a job elsewhere")
-    return entry.endpoint, entry.secret
+    return connect_job(entry.endpoint, entry.secret)
 
 
 @dataclass
@@ -100,17 +100,16 @@ class Job:
     info: dict[str, Any]
 
     @classmethod
-    def connect(cls, endpoint: str, secret: str) -> Job:
-        """Connect to the job at HOST:PORT; NoSuchJob when it is not an ftrun job, UsageError when its records
-        are not signed with ``secret``."""
-        store = JobStore(connect(endpoint), Seal(secret))
+    def connect(cls, store: JobStore) -> Job:
+        """The job whose store ``store`` is; NoSuchJob when it is not an ftrun job's, UsageError when its
+        records are not signed with the secret ``store`` has."""
         try:  # a job that has just started writes it right after its workers
             info = store.read_job(JOB_KEY_WAIT)
         except MalformedValue:
-            raise UsageError(f"the job at {endpoint} does not sign its records with this secret: "
-                             "give its own (--secret-file)") from None
+            raise UsageError("the job does not sign its records with this secret: give its own (--secret-file)"
+                             ) from None
         if info is None:
-            raise NoSuchJob(f"the store at {endpoint} is not an ftrun job's (no {keys.JOB})")
+            raise NoSuchJob(f"this store is not an ftrun job's (no {keys.JOB})")
         return cls(store, info)
 
     @property

@@ -230,7 +230,7 @@ def test_an_exception_drill_needs_the_worker_api_and_is_refused_in_one_line(live
     (["frobnicate", "--rank", "0"], 2, "unknown drill 'frobnicate'"),
     (["kill"], 2, "inject kill needs --rank R"),
     (["chaos", "--mtbf", "1"], 2, "inject chaos needs --mtbf SECONDS and --duration SECONDS"),
-    (["kill", "--rank", "0", "--endpoint", "h:1"], 2, "the job at h:1 signs its store with its secret"),
+    (["kill", "--rank", "0", "--endpoint", "127.0.0.1:1"], 3, "cannot reach a job at 127.0.0.1:1"),
     (["kill", "--rank", "0", "--endpoint", "h:1", "--run-id", "x"], 2, "--endpoint names the job already"),
 ])
 def test_bad_targets_are_one_line(args, code, message, private_registry):
@@ -238,6 +238,29 @@ def test_bad_targets_are_one_line(args, code, message, private_registry):
                             text=True, timeout=60)
     assert result.returncode == code and result.stdout == ""
     assert result.stderr.startswith("ftrun: error: " + message) and result.stderr.count("\n") == 1, result.stderr
+
+
+@pytest.mark.fast
+def test_a_drill_without_the_runs_secret_is_refused_before_it_is_sent(tmp_path, monkeypatch, capsys):
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from ftrun.store import keys
+    from ftrun.store.auth import Seal, new_secret, write_secret_file
+    from ftrun.store.job import JobStore
+
+    monkeypatch.delenv("FTRUN_SECRET_FILE", raising=False)
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    JobStore(server, Seal(new_secret())).write_job({"run_id": "r", "nnodes": 1})
+    other = tmp_path / "other"
+    write_secret_file(other, new_secret())
+    endpoint = f"127.0.0.1:{server.port}"
+    for args, message in (((), f"the job at {endpoint} signs its store with its secret: pass --secret-file"),
+                          (("--secret-file", str(other)), "does not sign its records with this secret")):
+        code, out, err = inject(capsys, "kill", "--rank", "0", "--endpoint", endpoint, *args)
+        assert (code, out) == (2, "") and err.count("\n") == 1 and message in err, err
+    assert not server.check([keys.mail_count(keys.node_box(0))])  # nothing was posted
 
 
 def test_with_two_jobs_running_inject_lists_them_and_touches_neither(live_job, workload, tmp_path, capsys):

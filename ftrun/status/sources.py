@@ -11,8 +11,7 @@ from ftrun import registry
 from ftrun.errors import NoSuchJob, UsageError
 from ftrun.events import read_events
 from ftrun.status.document import ended_document, live_document
-from ftrun.store.auth import Seal, secret_for_endpoint
-from ftrun.store.client import connect
+from ftrun.store.client import connect_job, parse_endpoint
 from ftrun.store.job import JobStore, MalformedValue
 
 FIRST_RECORD_WAIT = 5.0
@@ -26,7 +25,8 @@ class Target:
 
     endpoint: str | None
     run_dir: Path | None
-    secret: str | None = field(default=None, repr=False)
+    secret: str | None = field(default=None, repr=False)  # None: from secret_file (or FTRUN_SECRET_FILE)
+    secret_file: str | None = None
     store: JobStore | None = field(default=None, repr=False)  # the connection, kept between --watch refreshes
 
     def document(self) -> dict[str, Any]:
@@ -43,7 +43,7 @@ class Target:
     def _live(self) -> dict[str, Any]:
         first = self.store is None
         if first:
-            self.store = JobStore(connect(self.endpoint), Seal(self.secret))
+            self.store = connect_job(self.endpoint, self.secret, self.secret_file)
         try:
             job = self.store.read_job_status(FIRST_RECORD_WAIT if first else 0.0)
             if job is None:
@@ -72,7 +72,8 @@ def find_targets(endpoint: str | None, run_id: str | None, log_dir: Path | None,
     directory), --log-dir, or the only job running on this machine. Raises NoSuchJob, with what was looked
     at, when there is none, and UsageError, listing them, when several jobs running here would match."""
     if endpoint:
-        return [Target(endpoint, None, secret_for_endpoint(secret_file, endpoint))]
+        parse_endpoint(endpoint)
+        return [Target(endpoint, None, secret_file=secret_file)]
     if secret_file:
         raise UsageError("--secret-file goes with --endpoint: a job running here is found with its secret")
     if log_dir is None:

@@ -8,6 +8,8 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from ftrun.errors import NoSuchJob, UsageError
+from ftrun.store.auth import Seal, secret_for_endpoint
+from ftrun.store.job import JobStore
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
@@ -52,3 +54,10 @@ def connect(endpoint: str, timeout: float = 5.0) -> TCPStore:
         return open_client(host, port, timeout)
     except RuntimeError as exc:
         raise NoSuchJob(f"cannot reach a job at {host}:{port}: {str(exc).splitlines()[0]}") from None
+
+
+def connect_job(endpoint: str, secret: str | None, secret_file: str | None = None) -> JobStore:
+    """The store of the job at HOST:PORT, read and written with the run's ``secret`` (None: the one in
+    ``secret_file`` or FTRUN_SECRET_FILE). NoSuchJob when nobody answers there, before any secret is asked for."""
+    kv = connect(endpoint)
+    return JobStore(kv, Seal(secret or secret_for_endpoint(secret_file, endpoint)))

@@ -169,18 +169,40 @@ def test_no_such_job_is_one_line_and_exit_code_3(private_registry, launcher_env,
         assert code == 3 and err.startswith(f"ftrun: error: {message}") and err.count("\n") == 1, err
 
 
-def test_bad_flags_are_one_line_and_exit_code_2(private_registry, tmp_path, monkeypatch, capsys):
-    monkeypatch.delenv("FTRUN_SECRET_FILE", raising=False)
+def test_bad_flags_are_one_line_and_exit_code_2(private_registry, tmp_path, capsys):
     loose = tmp_path / "loose"
     loose.write_text("x" * 64)
     loose.chmod(0o644)
     for args, message in ((("--endpoint", "nohost"), "expected HOST:PORT"),
                           (("--json", "--watch"), "do not go together"),
                           (("--endpoint", "a:1", "--run-id", "x"), "--endpoint names the job already"),
-                          (("--endpoint", "a:1"), "the job at a:1 signs its store with its secret: pass --secret-file"),
-                          (("--endpoint", "a:1", "--secret-file", str(loose)), "other users may read it"),
                           (("--secret-file", str(loose)), "--secret-file goes with --endpoint")):
         code, err = failed(capsys, *args)
+        assert code == 2 and err.startswith("ftrun: error: ") and err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.fast
+def test_a_store_read_without_the_runs_secret_is_one_line_and_exit_code_2(tmp_path, monkeypatch, capsys):
+    """A live store named by --endpoint needs the run's secret: none, one others can read, or another run's."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from ftrun.store.auth import Seal, new_secret, write_secret_file
+    from ftrun.store.job import JobStore
+
+    monkeypatch.delenv("FTRUN_SECRET_FILE", raising=False)
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    JobStore(server, Seal(new_secret())).write_job_status({"nnodes": 1})
+    loose, other = tmp_path / "loose", tmp_path / "other"
+    write_secret_file(loose, new_secret())
+    loose.chmod(0o644)
+    write_secret_file(other, new_secret())
+    endpoint = f"127.0.0.1:{server.port}"
+    for args, message in (((), f"the job at {endpoint} signs its store with its secret: pass --secret-file"),
+                          (("--secret-file", str(loose)), "other users may read it (mode 644): chmod 600 it"),
+                          (("--secret-file", str(other)), "does not sign its status with this secret")):
+        code, err = failed(capsys, "--endpoint", endpoint, *args)
         assert code == 2 and err.startswith("ftrun: error: ") and err.count("\n") == 1 and message in err, err
 
 
