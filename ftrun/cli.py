@@ -222,14 +222,17 @@ def status(
                                            help="The job's --log-dir, or its run directory: show the newest run."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document instead of the table."),
     watch: bool = typer.Option(False, "--watch", help="Refresh the display in place until Ctrl-C."),
+    secret_file: Optional[str] = typer.Option(None, "--secret-file", metavar="FILE",
+                                              help="With --endpoint: the run's secret (its run directory's `secret`)."),
 ) -> None:
-    """Show the live health of a running job (or summarise one that ended).
+    """Show the live health of the running job (or summarise one that ended).
 
-    Exit status: 0 healthy, 1 degraded (or an ended job that did not succeed), 3 no such job.
+    Exit status: 0 healthy, 1 degraded (or an ended job that did not succeed), 2 bad input or several jobs
+    running here (name one with --run-id), 3 no such job.
     """
     from ftrun.status.command import status as show
 
-    raise typer.Exit(show(endpoint, run_id, log_dir, as_json, watch))
+    raise typer.Exit(show(endpoint, run_id, log_dir, as_json, watch, secret_file))
 
 
 @app.command(context_settings=_HELP)
@@ -246,11 +249,14 @@ def inject(
     seed: Optional[int] = typer.Option(None, "--seed", help="chaos: seed of the fault schedule."),
     run_id: Optional[str] = typer.Option(None, "--run-id", help="The job's run id (default: the only job here)."),
     endpoint: Optional[str] = typer.Option(None, "--endpoint", help="The job's store, HOST:PORT."),
+    secret_file: Optional[str] = typer.Option(None, "--secret-file", metavar="FILE",
+                                              help="With --endpoint: the run's secret (its run directory's `secret`)."),
 ) -> None:
-    """Drill a fault into a running job: kill, hang, exception, xid, ecc or slow one rank, or run chaos.
+    """Drill a fault into the running job: kill, hang, exception, xid, ecc or slow one rank, or run chaos.
 
     Exit codes: 0 done (chaos: every fault recovered in place), 1 chaos saw a fault not recovered in place,
-    2 bad input: unknown drill, no running job, no such rank, a drill the agent refuses.
+    2 bad input: unknown drill, several jobs running here (name one with --run-id), no such rank, a drill the
+    agent refuses; 3 no such job.
     """
     from ftrun import inject as injection
 
@@ -260,11 +266,13 @@ def inject(
         if rank is not None or value is not None:
             raise UsageError("inject chaos picks its ranks itself: drop --rank and the value")
         chosen = injection.parse_kinds(kinds)
-        job = injection.Job.connect(injection.job_endpoint(run_id, endpoint), registered=endpoint is None)
+        injection.check_chaos(mtbf, duration)
+        job = injection.Job.connect(injection.job_store(run_id, endpoint, secret_file))
         raise typer.Exit(injection.run_chaos(job, mtbf, duration, chosen, seed))
     message = injection.drill_message(kind, value, rank, duration_of_slow)
-    job = injection.Job.connect(injection.job_endpoint(run_id, endpoint), registered=endpoint is None)
-    print(job.inject(message)["message"])
+    job = injection.Job.connect(injection.job_store(run_id, endpoint, secret_file))
+    answer = job.inject(message)
+    print(f"run {answer['run']}: {answer['message']}")
 
 
 @app.command(context_settings=_HELP)

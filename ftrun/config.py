@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 import shutil
@@ -14,8 +15,11 @@ from pathlib import Path
 from ftrun.errors import UsageError
 from ftrun.health.policy import DEFAULT_TABLE, load_table
 from ftrun.health.signals import Action
-from ftrun.launcher.hosts import Host, is_local, parse_host_list, read_hostfile
+from ftrun.launcher.hosts import (MAX_WORKERS_PER_NODE, Host, is_local, listen_address, parse_host_list,
+                                  read_hostfile)
 from ftrun.launcher.slurm import slurm_node
+from ftrun.store.auth import SECRET_FILE_VARIABLE, new_secret, read_secret_file
+from ftrun.store.leases import fence_margin
 
 def parse_std_spec(spec: str, flag: str, nproc: int) -> dict[int, int]:
     """Parse torchrun's --redirects/--tee value into {local_rank: stream mask}.
@@ -104,12 +108,11 @@ def resolve_nproc(value: str | None) -> int:
         if value == "gpu":
             raise UsageError("--nproc-per-node gpu: no GPU is visible here; give a number, or 'cpu'")
         return os.cpu_count() or 1
-    try:
-        nproc = int(value)
-    except ValueError:
-        raise UsageError(f"--nproc-per-node {value!r} is not valid: use a number, 'gpu', 'cpu' or 'auto'") from None
-    if nproc < 1:
-        raise UsageError(f"--nproc-per-node {nproc}: at least one worker is needed")
+    if not value.isascii() or not value.isdigit() or len(value) > 6:
+        raise UsageError(f"--nproc-per-node {value[:20]!r} is not valid: use a number, 'gpu', 'cpu' or 'auto'")
+    nproc = int(value)
+    if not 1 <= nproc <= MAX_WORKERS_PER_NODE:
+        raise UsageError(f"--nproc-per-node {nproc}: give between 1 and {MAX_WORKERS_PER_NODE} workers per node")
     return nproc
 
 
@@ -177,6 +180,8 @@ class LaunchConfig:
     node_sizes: tuple[int, ...] = ()  # workers per node, by node rank; () means nproc_per_node on every node
     node_name: str = field(default_factory=socket.gethostname)  # this node's name in output prefixes
     host_store: bool = True  # this process serves the store (False: the hostfile launcher or node 0 does)
+    store_listen: str = "127.0.0.1"  # the address the store listens on, where this process hosts it
+    secret: str = field(default_factory=new_secret, repr=False)  # the run's: signs every value in the store
     node_timeout: float = 10.0  # a node whose lease is older than this is lost; an agent that cannot renew fences
     metrics_port: int | None = None  # --metrics-port: every agent serves Prometheus metrics on it
     run_name: str | None = None  # the run directory's name, shared by every node of a multi-node job
@@ -239,10 +244,9 @@ def _store_endpoint(
     host, sep, port = rdzv_endpoint.rpartition(":")
     if not sep:
         host, port = rdzv_endpoint, "29400"
-    try:
-        return Endpoint(host or "localhost", int(port)), host or "localhost"
-    except ValueError:
-        raise UsageError(f"--rdzv-endpoint {rdzv_endpoint!r} is not HOST:PORT") from None
+    if not (port.isascii() and port.isdigit() and len(port) <= 5 and 0 < int(port) < 65536):
+        raise UsageError(f"--rdzv-endpoint {rdzv_endpoint[:60]!r} is not HOST:PORT with a port from 1 to 65535")
+    return Endpoint(host or "localhost", int(port)), host or "localhost"
 
 
 def build_config(
@@ -309,16 +313,12 @@ def build_config(
         raise UsageError(f"--rdzv-backend {rdzv_backend!r} is not supported: use c10d or static (ftrun hosts the store)")
     if max_restarts < 0:
         raise UsageError("--max-restarts must be 0 or more")
-    if monitor_interval <= 0:
-        raise UsageError("--monitor-interval must be a positive number of seconds")
-    if shutdown_timeout is None:
-        shutdown_timeout = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
-    if shutdown_timeout < 0:
-        raise UsageError("--shutdown-timeout must be 0 or more seconds")
-    if rdzv_conf:
-        for item in rdzv_conf.split(","):
-            if "=" not in item:
-                raise UsageError(f"--rdzv-conf {rdzv_conf!r} is not valid: use KEY=VALUE pairs separated by commas")
+    if not 0 < monitor_interval < math.inf:
+        raise UsageError(f"--monitor-interval must be a positive number of seconds, not {monitor_interval}")
+    shutdown_timeout = _shutdown_timeout(shutdown_timeout)
+    bind = parse_rdzv_conf(rdzv_conf).get("bind")
+    if master_port is not None and not 0 <= master_port <= 65535:
+        raise UsageError(f"--master-port {master_port}: a port is between 1 and 65535 (0: pick a free one)")
     nproc = resolve_nproc(nproc_per_node)
     if standalone and max_nodes > 1:
         raise UsageError("--standalone is for one node: remove it, or --nnodes/--hostfile")
@@ -334,6 +334,9 @@ def build_config(
         rdzv_backend = "c10d"
     else:
         run_id = rdzv_id
+    multinode = max_nodes > 1 or hosts is not None
+    serves_store = hosts is not None or node_rank == 0  # this process hosts the store: it listens
+    store_listen = bind or (listen_address(store.host, multinode) if serves_store else "")
     ranks_filter = None
     if local_ranks_filter:
         try:
@@ -342,14 +345,19 @@ def build_config(
             raise UsageError(f"--local-ranks-filter {local_ranks_filter!r} is not valid: use ranks like 0,1,2") from None
     log_path = _writable_log_dir(log_dir) if log_dir else None
     tee_masks = parse_std_spec(tee, "--tee", max(node_sizes, default=nproc))
-    if recovery.spares < 0:
-        raise UsageError("--spares must be 0 or more")
+    if not 0 <= recovery.spares <= MAX_WORKERS_PER_NODE - max(node_sizes, default=nproc):
+        raise UsageError(f"--spares {recovery.spares}: give 0 or more, and at most {MAX_WORKERS_PER_NODE} workers "
+                         "per node with the training workers")
     for flag, seconds in (("--recovery-timeout", recovery.recovery_timeout), ("--join-timeout", recovery.join_timeout),
                           ("--hang-timeout", recovery.hang_timeout), ("--node-timeout", node_timeout)):
         if seconds is not None and not 0 < seconds < math.inf:
             raise UsageError(f"{flag} must be a positive number of seconds, not {seconds}")
     if metrics_port is not None and not 0 < metrics_port < 65536:
         raise UsageError(f"--metrics-port {metrics_port}: a port is between 1 and 65535")
+    if multinode and monitor_interval > fence_margin(node_timeout) / 2:
+        raise UsageError(f"--node-timeout {node_timeout:g} leaves a cut-off node {fence_margin(node_timeout):g} s to "
+                         f"stop its workers before the others go on without it, too little for --monitor-interval "
+                         f"{monitor_interval:g}: raise --node-timeout to {8 * monitor_interval:g} or more")
     world = sum(node_sizes) if node_sizes else nproc * max_nodes
     if not 1 <= recovery.min_nproc <= world:
         raise UsageError(f"--min-nproc {recovery.min_nproc} must be between 1 and the number of workers ({world})")
@@ -385,6 +393,8 @@ def build_config(
         recovery=recovery,
         node_sizes=node_sizes,
         host_store=hosts is None and node_rank == 0,
+        store_listen=store_listen,
+        secret=_secret(scheduled=max_nodes > 1 and hosts is None),
         node_timeout=node_timeout,
         metrics_port=metrics_port,
         hosts=hosts,
@@ -394,13 +404,58 @@ def build_config(
 
 def _hosts(hostfile: str | None, host_list: str | None, *, nnodes: int, node_rank: int | None) -> list[Host] | None:
     """The hosts of a --hostfile / -H launch, or None for a launch of this node only."""
-    if hostfile and host_list:
+    if hostfile is not None and host_list is not None:
         raise UsageError("--hostfile and -H/--hosts both list hosts: give one of them")
-    if not hostfile and not host_list:
+    if hostfile is None and host_list is None:
         return None
     if nnodes > 1 or node_rank is not None:
         raise UsageError("--hostfile/-H starts every node from here: remove --nnodes and --node-rank")
-    return read_hostfile(hostfile) if hostfile else parse_host_list(host_list)
+    return read_hostfile(hostfile) if hostfile is not None else parse_host_list(host_list)
+
+
+def parse_rdzv_conf(text: str) -> dict[str, str]:
+    """--rdzv-conf ``KEY=VALUE,...``. ftrun reads one key, ``bind``: the address the store listens on, given
+    as an IP address (``0.0.0.0`` or ``::`` for every interface); torchrun's other keys are accepted and unused."""
+    conf = {}
+    for item in filter(None, text.split(",")):
+        key, equals, value = item.partition("=")
+        if not equals or not key.strip():
+            raise UsageError(f"--rdzv-conf {text!r} is not valid: use KEY=VALUE pairs separated by commas")
+        conf[key.strip()] = value.strip()
+    bind = conf.get("bind")
+    if bind is not None:
+        try:
+            conf["bind"] = str(ipaddress.ip_address(bind.strip("[]")))
+        except ValueError:
+            raise UsageError(f"--rdzv-conf bind={bind}: give an IP address of this machine, or 0.0.0.0 (or ::) "
+                             "to listen on every interface") from None
+    return conf
+
+
+def _shutdown_timeout(seconds: float | None) -> float:
+    """--shutdown-timeout, or torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT (30 s when neither is set)."""
+    if seconds is None:
+        text = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
+        try:
+            seconds = float(text)
+        except ValueError:
+            raise UsageError(f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={text[:20]!r}: give a number of seconds") from None
+    if not 0 <= seconds < math.inf:
+        raise UsageError(f"--shutdown-timeout must be 0 or more seconds, not {seconds}")
+    return seconds
+
+
+def _secret(scheduled: bool) -> str:
+    """The run's secret: from ``FTRUN_SECRET_FILE`` when it is set, else a fresh one. Nodes started one by one
+    (by a scheduler) must all use the same secret, so they need the file."""
+    path = os.environ.get(SECRET_FILE_VARIABLE)
+    if path:
+        return read_secret_file(path, SECRET_FILE_VARIABLE)
+    if scheduled:
+        raise UsageError(f"the nodes of a job started one by one must share a secret: set {SECRET_FILE_VARIABLE} "
+                         "on every node to a file only you can read (e.g. `openssl rand -hex 32 > ~/.ftrun-secret; "
+                         "chmod 600 ~/.ftrun-secret`), or start every node from here with --hostfile")
+    return new_secret()
 
 
 def _writable_log_dir(log_dir: str) -> Path:

@@ -1,9 +1,11 @@
 """`ftrun inject`: fault drills against a running job, delivered to the agent that owns the target rank.
 
-The job is found in this machine's run registry (or by ``--run-id`` / ``--endpoint``); the node running a
-rank is found by pinging each node's agent through the store; the drill is posted to that agent's mailbox
-as ``{"cmd": "inject", ...}`` and carried out there (see ``ftrun.agent.drills``). Chaos is a series of
-drills on random live ranks, each awaited through its recovery in the run's event log.
+The job is the only one of this user running on this machine, or the one named by ``--run-id`` (both found
+in the run registry, with the run's secret), or the store at ``--endpoint`` (with ``--secret-file``); the
+node running a rank is found by pinging each node's agent through the store; the drill is posted to that
+agent's mailbox as ``{"cmd": "inject", ...}``, signed with the run's secret, and carried out there (see
+``ftrun.agent.drills``). Chaos is a series of drills on random live ranks, each awaited through its recovery
+in the run's event log.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from ftrun import events, protocol, registry
-from ftrun.errors import UsageError
+from ftrun.errors import NoSuchJob, UsageError
 from ftrun.lines import LineBuffer
 from ftrun.protocol import DRILL_KINDS
 from ftrun.store import keys
-from ftrun.store.client import STORE_START_WAIT, connect
+from ftrun.store.client import STORE_START_WAIT, connect_job, parse_endpoint
 from ftrun.store.job import JobStore, MalformedValue
 
 CHAOS_KINDS = ("kill", "hang", "exception", "xid", "ecc")
@@ -31,6 +33,8 @@ JOB_KEY_WAIT = 5.0
 """Seconds to wait for a store's ``ftrun/job`` key before calling it not an ftrun job's."""
 CHAOS_XID = 13
 """The Xid chaos injects: "graphics engine exception", which the policy answers by restarting the rank."""
+MAX_VALUE = 2**32 - 1
+"""The largest Xid code or ECC error count a drill takes (NVML reports both as 32-bit counts)."""
 
 
 # ------------------------------------------------------------------------------------- the drill
@@ -42,9 +46,9 @@ def drill_message(kind: str, value: str | None, rank: int | None, duration: floa
         raise UsageError(f"inject {kind} needs --rank R, the rank to act on")
     message: dict[str, Any] = {"cmd": protocol.INJECT, "kind": kind, "rank": rank}
     if kind == "xid":
-        message["value"] = _number(value, int, "xid CODE", "an Xid code, e.g. 79")
+        message["value"] = _count(value, "xid CODE", "an Xid code, e.g. 79")
     elif kind == "ecc":
-        message["value"] = 1 if value is None else _number(value, int, "ecc COUNT", "a count of errors")
+        message["value"] = 1 if value is None else _count(value, "ecc COUNT", "a count of errors")
     elif kind == "slow":
         message["seconds"] = _number(value, float, "slow SECONDS", "seconds added to each step, 0 clears")
         if not 0 <= message["seconds"] < math.inf:
@@ -63,22 +67,29 @@ def _number(text: str | None, kind: type, usage: str, what: str) -> Any:
     try:
         return kind(text)
     except (TypeError, ValueError):
-        raise UsageError(f"{usage}: expected {what}, got {text!r}") from None
+        raise UsageError(f"{usage}: expected {what}, got {str(text)[:40]!r}") from None
+
+
+def _count(text: str | None, usage: str, what: str) -> int:
+    """A whole number from 1 to MAX_VALUE, in ASCII digits."""
+    if text is None or not (text.isascii() and text.isdigit() and len(text) <= 10 and 0 < int(text) <= MAX_VALUE):
+        raise UsageError(f"{usage}: expected {what} (from 1 to {MAX_VALUE}), got {str(text)[:40]!r}")
+    return int(text)
 
 
 # ------------------------------------------------------------------------------------- the job
-def job_endpoint(run_id: str | None, endpoint: str | None) -> str:
-    """HOST:PORT of the job to drill: --endpoint, else --run-id or the only job running here (registry)."""
+def job_store(run_id: str | None, endpoint: str | None, secret_file: str | None) -> JobStore:
+    """The store of the one job to drill: --endpoint (with --secret-file), else the job running here named by
+    --run-id, or the only one (NoSuchJob when there is none, UsageError when there are several)."""
     if endpoint:
-        return endpoint
-    jobs = registry.find(run_id) if run_id else registry.running()
-    if not jobs:
-        where = f"with run id {run_id!r}" if run_id else "on this machine"
-        raise UsageError(f"no running ftrun job found {where} (pass --endpoint HOST:PORT for a job elsewhere)")
-    if len(jobs) > 1:
-        ids = ", ".join(job.run_id for job in jobs)
-        raise UsageError(f"{len(jobs)} ftrun jobs are running ({ids}): choose one with --run-id")
-    return jobs[0].endpoint
+        if run_id:
+            raise UsageError("--endpoint names the job already; drop --run-id")
+        parse_endpoint(endpoint)
+        return connect_job(endpoint, None, secret_file)
+    if secret_file:
+        raise UsageError("--secret-file goes with --endpoint: a job running here is found with its secret")
+    entry = registry.only_running(run_id, "pass --endpoint HOST:PORT and --secret-file FILE for a job elsewhere")
+    return connect_job(entry.endpoint, entry.secret, connect_timeout=STORE_START_WAIT)
 
 
 @dataclass
@@ -89,17 +100,22 @@ class Job:
     info: dict[str, Any]
 
     @classmethod
-    def connect(cls, endpoint: str, registered: bool = False) -> Job:
-        """Connect to the job at HOST:PORT (``registered``: found in this machine's registry, so its store
-        may not be served yet); UsageError when it is not an ftrun job."""
-        store = JobStore(connect(endpoint, connect_timeout=STORE_START_WAIT if registered else None))
+    def connect(cls, store: JobStore) -> Job:
+        """The job whose store ``store`` is; NoSuchJob when it is not an ftrun job's, UsageError when its
+        records are not signed with the secret ``store`` has."""
         try:  # a job that has just started writes it right after its workers
             info = store.read_job(JOB_KEY_WAIT)
-        except MalformedValue as exc:
-            raise UsageError(f"the store at {endpoint} holds an unreadable {keys.JOB} ({exc})") from None
+        except MalformedValue:
+            raise UsageError("the job does not sign its records with this secret: give its own (--secret-file)"
+                             ) from None
         if info is None:
-            raise UsageError(f"the store at {endpoint} is not an ftrun job's (no {keys.JOB})")
+            raise NoSuchJob(f"this store is not an ftrun job's (no {keys.JOB})")
         return cls(store, info)
+
+    @property
+    def run_id(self) -> str:
+        """The run's id, as `ftrun status` shows it."""
+        return str(self.info.get("run_id"))
 
     def ranks(self) -> dict[int, int]:
         """The job's live ranks and the node running each, from a ping of every node's agent."""
@@ -114,10 +130,10 @@ class Job:
         ranks = self.ranks() if ranks is None else ranks
         if message["rank"] not in ranks:
             known = ", ".join(str(r) for r in sorted(ranks)) or "none"
-            raise UsageError(f"no live rank {message['rank']} in job {self.info['run_id']} (its ranks: {known})")
+            raise UsageError(f"no live rank {message['rank']} in job {self.run_id} (its ranks: {known})")
         answer = self.store.request(keys.node_box(ranks[message["rank"]]), message)
         if not answer.get("ok"):
-            raise UsageError(answer.get("error", "the agent refused the drill"))
+            raise UsageError(f"run {self.run_id}: {answer.get('error', 'the agent refused the drill')}")
         return answer
 
     @property
@@ -201,6 +217,13 @@ def await_settled(follower: EventFollower, uid: int, poll: float = 0.1) -> dict[
         time.sleep(poll)  # polling a file another process appends to
 
 
+def check_chaos(mtbf: float, duration: float) -> None:
+    """UsageError unless --mtbf and --duration are numbers of seconds above 0."""
+    for flag, seconds in (("--mtbf", mtbf), ("--duration", duration)):
+        if not 0 < seconds < math.inf:
+            raise UsageError(f"{flag} must be a number of seconds above 0, not {seconds}")
+
+
 def _say(line: str) -> None:
     print(line, flush=True)
 
@@ -213,15 +236,14 @@ def run_chaos(job: Job, mtbf: float, duration: float, kinds: tuple[str, ...], se
     previous recovery (and the return of a respawned worker), so a fault never lands in the middle of
     the previous one's recovery. The last live rank is never taken: chaos stops there.
     """
-    if mtbf <= 0 or duration <= 0:
-        raise UsageError("--mtbf and --duration must be more than 0 seconds")
+    check_chaos(mtbf, duration)
     follower = EventFollower(job.events_path)
     if not job.events_path.exists():
         raise UsageError(f"chaos follows the run's event log, {job.events_path}: run it on the job's first node")
     follower.new()  # only what happens from now on
     schedule = ChaosSchedule(mtbf, kinds, seed)
     start = time.monotonic()
-    say(f"chaos: MTBF {mtbf:g} s for {duration:g} s, kinds {','.join(kinds)}, seed {seed}")
+    say(f"chaos: run {job.run_id}, MTBF {mtbf:g} s for {duration:g} s, kinds {','.join(kinds)}, seed {seed}")
     injected = faults = recovered = 0
     while True:
         ranks = job.ranks()

@@ -13,8 +13,10 @@ This module is shared by the worker runtime and the agent, so it imports neither
 from __future__ import annotations
 
 import json
+import math
 import signal
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 STACK_DUMP_SIGNAL = signal.SIGRTMIN + 5
@@ -34,6 +36,8 @@ SAVED = "saved"  # the worker wrote its state for a group restart: {step}
 COLLECTIVE_FAILED = "collective_failed"  # a collective failed with no new plan to explain it: {gen, step, phase,
 # error, unreachable}: phase "step" (in training), "form", "agree", "transfer" or "probe"; unreachable, after a
 # probe: {uid: [uids it could not connect to]} for every member (empty lists when all connected)
+RECOVERY_PHASES = ("abort", "rendezvous", "agree", "transfer")
+"""The phases a worker times in its ``recovered`` message (``timings``: seconds by phase)."""
 # agent -> worker
 PLAN = "plan"  # a new generation: Plan fields
 SAVE = "save"  # recovery failed: write your state to FTRUN_RUN_DIR/rescue before the group restart
@@ -97,10 +101,147 @@ class Plan:
 
     @staticmethod
     def from_message(message: dict[str, Any]) -> Plan:
-        """Read a plan back from a control message."""
-        return Plan(**{k: v for k, v in message.items() if k != "t"})
+        """Read a plan back from a control message (one :func:`problem` accepts as a plan)."""
+        return Plan(**{f.name: message[f.name] for f in fields(Plan) if f.name in message})
 
 
 def encode(kind: str, **fields: Any) -> bytes:
     """One control message as a JSON line."""
     return (json.dumps({"t": kind, **fields}) + "\n").encode()
+
+
+# ------------------------------------------------------------------------------------- validation
+# A message is checked where it enters a process (a worker's channel, a mailbox): one that is not of a known
+# kind with every field of the right type is dropped and counted there, so the handlers read fields freely.
+Check = Callable[[Any], bool]
+
+
+def _int(value: Any) -> bool:
+    return type(value) is int
+
+
+def _optional_int(value: Any) -> bool:
+    return value is None or type(value) is int
+
+
+def _number(value: Any) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)
+
+
+def _optional_number(value: Any) -> bool:
+    return value is None or _number(value)
+
+
+def _text(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _flag(value: Any) -> bool:
+    return type(value) is bool
+
+
+def _uids(value: Any) -> bool:
+    return isinstance(value, list) and all(type(v) is int for v in value) and len(set(value)) == len(value)
+
+
+def _timings(value: Any) -> bool:
+    return isinstance(value, dict) and all(name in value for name in RECOVERY_PHASES) \
+        and all(isinstance(k, str) and _number(v) for k, v in value.items())
+
+
+def _signal(value: Any) -> bool:
+    return type(value) is int and value in _SIGNALS
+
+
+_SIGNALS = frozenset(s.value for s in signal.Signals)
+
+FAILURE_FIELDS: dict[str, Check] = {"rank": _optional_int, "local_rank": _int, "pid": _int, "exitcode": _int,
+                                    "when": _number, "message": _text, "traceback": _text}
+"""The fields of a worker failure, as a follower reports one (``ftrun.agent.failures.WorkerFailure``)."""
+
+FROM_WORKER: dict[str, dict[str, Check]] = {
+    HELLO: {"uid": _int, "pid": _int, "spare": _flag},
+    READY: {"uid": _int},
+    PROGRESS: {"gen": _int, "step": _int, "time": _number, "step_time": _number},
+    ENTERED: {"step": _int},
+    FINISHED: {},
+    RECOVERED: {"gen": _int, "step": _int, "timings": _timings, "plan_received": _number},
+    SAVED: {"step": _int},
+}
+"""Every message a worker sends its agent, with the fields the agent reads."""
+
+TO_WORKER: dict[str, dict[str, Check]] = {
+    PLAN: {"gen": _int, "members": _uids, "reason": _text, "lost": _uids, "joiners": _uids},
+    SAVE: {},
+    RAISE: {"message": _text},
+    SLOW: {"seconds": _number, "duration": _optional_number},
+}
+"""Every message an agent sends a worker (directly, or relayed by the worker's own agent)."""
+
+
+def _problem(message: Any, kinds: Mapping[str, Mapping[str, Check]], tag: str = "t") -> str | None:
+    """Why ``message`` is not one of ``kinds`` with its fields (the kind under ``tag``), or None."""
+    if not isinstance(message, dict):
+        return f"not a JSON object but {type(message).__name__}"
+    kind = message.get(tag)
+    if not isinstance(kind, str) or kind not in kinds:
+        return f"unknown {'kind' if tag == 't' else 'command'} {str(kind)[:40]!r}"
+    for name, check in kinds[kind].items():
+        if name not in message:
+            return f"{kind}: no field {name!r}"
+        if not check(message[name]):
+            return f"{kind}: field {name!r} has a wrong type or value"
+    return None
+
+
+def worker_message_problem(message: Any) -> str | None:
+    """Why ``message`` from a worker is not one its agent can act on, or None when it is."""
+    return _problem(message, FROM_WORKER)
+
+
+def _relayed(data: Any) -> bool:
+    """Control messages for a worker, as JSON lines (the leader's relay through a follower)."""
+    if not isinstance(data, str) or not data:
+        return False
+    try:
+        return all(_problem(json.loads(line), TO_WORKER) is None for line in data.splitlines())
+    except (ValueError, RecursionError):
+        return False
+
+
+def _failure(value: Any) -> bool:
+    return isinstance(value, dict) and set(value) == set(FAILURE_FIELDS) \
+        and all(check(value[k]) for k, check in FAILURE_FIELDS.items())
+
+
+MAIL: dict[str, dict[str, Check]] = {
+    WORKER_STARTED: {"uid": _int, "pid": _int, "local_rank": _int, "rank": _optional_int, "joiner": _flag},
+    WORKER_MESSAGE: {"uid": _int, "msg": lambda msg: worker_message_problem(msg) is None},
+    WORKER_EXITED: {"uid": _int, "code": _int},
+    NODE_GONE: {"node": _int, "reason": _text, "since": _number},
+    RELAY: {"uid": _int, "data": _relayed},
+    SIGNAL: {"uid": _int, "sig": _signal},
+    START_WORKER: {"uid": _int, "local_rank": _int, "rank": _optional_int},
+    STOP: {"reason": _text},
+}
+"""Every message agents (and the hostfile launcher) post to each other's mailboxes, with its fields."""
+
+COMMANDS: dict[str, dict[str, Check]] = {PING: {}, INJECT: {"kind": _text, "rank": _int}}
+"""Every command a client posts to an agent's mailbox, with the fields the agent reads before its handler."""
+
+
+def mail_problem(message: Any) -> str | None:
+    """Why ``message`` read from an agent's mailbox is not a valid message or command, or None when it is.
+
+    A command's ``reply_to`` must be a string; a command of another ftrun version (an unknown ``cmd``) is
+    accepted, so that the agent can answer that it does not know it.
+    """
+    if isinstance(message, dict) and "cmd" in message:
+        if not isinstance(message["cmd"], str) or not isinstance(message.get("reply_to", ""), str):
+            return "a command whose cmd or reply_to is not a string"
+        return _problem(message, COMMANDS, "cmd") if message["cmd"] in COMMANDS else None
+    problem = _problem(message, MAIL)
+    if problem is None and message["t"] == WORKER_EXITED and message["code"] != 0 \
+            and not _failure(message.get("failure")):
+        return f"{WORKER_EXITED}: no valid 'failure' for exit code {message['code']}"
+    return problem

@@ -1,15 +1,21 @@
-"""The run registry: one small JSON file per running job on this machine, so `ftrun status` and
-`ftrun inject` find a job without being told its endpoint."""
+"""The run registry: one small JSON file per running job of this user on this machine, so `ftrun status` and
+`ftrun inject` find a job (its endpoint and its secret) without being told.
+
+The registry's directory and every run directory are created for this user alone (0700), and each entry
+is a 0600 file: an entry holds the run's secret, which lets its holder command the job.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import psutil
+
+from ftrun.errors import NoSuchJob, UsageError
 
 
 @dataclass(frozen=True)
@@ -23,6 +29,7 @@ class RunEntry:
     pid: int  # the launching ftrun process
     run_dir: str
     started: float
+    secret: str = field(repr=False)  # the run's secret: signs what its clients write to its store
 
     @property
     def endpoint(self) -> str:
@@ -41,6 +48,16 @@ def default_runs_root() -> Path:
         return Path(tempfile.mkdtemp(prefix="ftrun_"))
 
 
+def private_dir(path: Path) -> Path:
+    """``path``, created if needed as a directory only this user can enter (0700; its parents as usual)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    return path
+
+
 def registry_dir() -> Path:
     """``$XDG_RUNTIME_DIR/ftrun/runs`` when there is one, else ``<cache>/ftrun/registry``."""
     runtime = os.environ.get("XDG_RUNTIME_DIR")
@@ -52,8 +69,7 @@ def registry_dir() -> Path:
 
 def register(entry: RunEntry) -> Path:
     """Record ``entry`` (atomically); returns the file to pass to :func:`unregister`."""
-    folder = registry_dir()
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = private_dir(registry_dir())
     path = folder / f"{entry.run_id}.json"
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".", suffix=".tmp")
     with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -83,8 +99,10 @@ def running() -> list[RunEntry]:
     entries = []
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
         try:
+            if path.stat().st_uid != os.getuid():
+                continue  # not written by this user: not to be trusted with a secret
             entry = RunEntry(**json.loads(path.read_text(encoding="utf-8")))
-        except (OSError, ValueError, TypeError):
+        except (OSError, ValueError, TypeError, RecursionError):
             continue
         if _alive(entry):
             entries.append(entry)
@@ -98,7 +116,23 @@ def find(run_id: str) -> list[RunEntry]:
     return [e for e in running() if run_id in (e.run_id, e.rdzv_id)]
 
 
-def new_entry(run_id: str, rdzv_id: str, host: str, port: int, run_dir: Path) -> RunEntry:
+def new_entry(run_id: str, rdzv_id: str, host: str, port: int, run_dir: Path, secret: str) -> RunEntry:
     """The entry for the launch running in this process."""
     return RunEntry(run_id=run_id, rdzv_id=rdzv_id, host=host, port=port, pid=os.getpid(), run_dir=str(run_dir),
-                    started=psutil.Process().create_time())
+                    started=psutil.Process().create_time(), secret=secret)
+
+
+def only_running(run_id: str | None, elsewhere: str) -> RunEntry:
+    """The one job of this user running here named ``run_id`` (its run id or --rdzv-id), or the only one.
+
+    NoSuchJob (its message ending with ``elsewhere``, how to name a job not found here) when there is none;
+    UsageError listing them when there are several, so that a command meant for one job never reaches another.
+    """
+    jobs = find(run_id) if run_id else running()
+    if not jobs:
+        where = f"with run id {run_id!r}" if run_id else "on this machine"
+        raise NoSuchJob(f"no ftrun job is running {where} ({elsewhere})")
+    if len(jobs) > 1:
+        listed = "; ".join(f"{job.run_id} (rdzv id {job.rdzv_id}, pid {job.pid})" for job in jobs)
+        raise UsageError(f"{len(jobs)} ftrun jobs are running: {listed}: name one with --run-id RUN_ID")
+    return jobs[0]

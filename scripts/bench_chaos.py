@@ -48,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 from ftrun import inject, registry  # noqa: E402
 from ftrun.agent.watchdog import DUMP_GRACE  # noqa: E402
 from ftrun.errors import UsageError  # noqa: E402
+from ftrun.store.client import STORE_START_WAIT, connect_job  # noqa: E402
 
 TRAIN = ROOT / "scripts" / "bench_workloads" / "train_ckpt.py"
 WORLD = 4
@@ -169,7 +170,7 @@ class Injector:
     def _through_agent(self, kind: str, rank: int) -> float:
         if self.job is None:
             (entry,) = [e for e in registry.running() if e.pid == self.launcher_pid]
-            self.job = inject.Job.connect(entry.endpoint, registered=True)
+            self.job = inject.Job.connect(connect_job(entry.endpoint, entry.secret, connect_timeout=STORE_START_WAIT))
         try:
             return self.job.inject(inject.chaos_message(kind, rank))["time"]
         except UsageError as exc:

@@ -28,6 +28,10 @@ import psutil
 
 from bench_runs import ROOT, command_line, ended, lines, machine, start, stop
 
+sys.path.insert(0, str(ROOT))
+
+from ftrun.store.auth import new_secret, write_secret_file  # noqa: E402
+
 EXAMPLE = str(ROOT / "examples" / "train_ddp.py")
 FTRUN = [sys.executable, "-m", "ftrun"]
 
@@ -65,9 +69,11 @@ def drill(how: str, args: argparse.Namespace) -> dict:
         if how == "hostfile":
             runs = [start([*FTRUN, "-H", "localhost:2,127.0.0.1:2", *training])]
         else:
-            port, timeout = free_port(), str(args.node_timeout)
+            port, timeout, secret = free_port(), str(args.node_timeout), Path(logs) / "secret"
+            write_secret_file(secret, new_secret())  # the nodes of a job started one by one share it
             runs = [start([*FTRUN, "--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", f"localhost:{port}",
-                           "--nproc-per-node", "2", "--node-timeout", timeout, *training]) for rank in (0, 1)]
+                           "--nproc-per-node", "2", "--node-timeout", timeout, *training],
+                          {"FTRUN_SECRET_FILE": str(secret)}) for rank in (0, 1)]
         try:
             killed = False
             for _, line in lines(runs[0], args.timeout):

@@ -36,9 +36,11 @@ class Run:
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=30))
 
 
-def start(command: list[str]) -> Run:
-    """Start ``command`` in the repository root and a thread that stamps each of its output lines as it arrives."""
+def start(command: list[str], extra_env: dict[str, str] | None = None) -> Run:
+    """Start ``command`` in the repository root (with ``extra_env`` added to a clean environment) and a thread
+    that stamps each of its output lines as it arrives."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FTRUN_", "TORCHELASTIC_"))}
+    env.update(extra_env or {})
     started = time.perf_counter()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                             env=env, cwd=ROOT)

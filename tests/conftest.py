@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from runs import NPROC, RTOL, STEPS, TIMEOUT, TRAINING, Run, read_run
+from runs import COMMIT, HELD_STEPS, HELD_TRAINING, NPROC, RTOL, STEPS, TIMEOUT, TRAINING, Run, read_run
 
 FTRUN = [sys.executable, "-m", "ftrun"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,6 +29,16 @@ def launcher_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     env["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+@pytest.fixture(scope="session")
+def secret_file(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A secret file (mode 0600) for the nodes of a job started one by one (FTRUN_SECRET_FILE)."""
+    from ftrun.store.auth import new_secret, write_secret_file
+
+    path = tmp_path_factory.mktemp("secret") / "secret"
+    write_secret_file(path, new_secret())
+    return str(path)
 
 
 @pytest.fixture(scope="session")
@@ -183,4 +193,18 @@ def baseline(launch) -> dict[int, float]:
         assert all(c.world == NPROC and c.rank == uid and c.loss == losses[c.step] for c in lines), lines
     # the parity checks below are only meaningful if the loss moves by much more than RTOL every step
     assert all(abs(losses[s + 1] - losses[s]) > 10 * RTOL * losses[s] for s in range(STEPS - 1)), losses
+    return losses
+
+
+@pytest.fixture(scope="session")
+def held_baseline(run_ftrun, workload) -> dict[int, float]:
+    """The fault-free loss per step of held_train.py's training (HELD_TRAINING, 4 workers, not held)."""
+    result = run_ftrun("--nproc-per-node", NPROC, workload("held_train.py"), *HELD_TRAINING, timeout=TIMEOUT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = {}
+    for line in result.stdout.splitlines():
+        match = COMMIT.search(line)
+        if match and match[1] == "0":
+            losses[int(match[4])] = float(match[5])
+    assert sorted(losses) == list(range(HELD_STEPS))
     return losses

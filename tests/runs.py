@@ -30,6 +30,9 @@ TIMEOUT = 150  # per ftrun run: nothing may hang
 # Where workers wait on the event log for a joiner (seconds on a busy machine), the hang watchdog must
 # not take the wait for a hang; the waits give up after 120 s anyway.
 NO_WATCHDOG = ("--hang-timeout", "300")
+HELD_STEPS = 200
+HELD_TRAINING = ["--steps", str(HELD_STEPS), "--width", "256"]
+"""tests/workloads/held_train.py's training: long enough to act on the job while it is held (0.2 s a step)."""
 
 
 @dataclass(frozen=True)

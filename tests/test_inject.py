@@ -23,10 +23,9 @@ from ftrun import protocol
 from ftrun.inject import ChaosSchedule, EventFollower, drill_message
 from ftrun.errors import UsageError
 from ftrun.worker.injected import InjectedFault, WorkerDrills
-from runs import COMMIT, RTOL
+from runs import COMMIT, HELD_STEPS, HELD_TRAINING, RTOL
 
-STEPS = 200
-TRAINING = ["--steps", str(STEPS), "--width", "256"]
+STEPS, TRAINING = HELD_STEPS, HELD_TRAINING
 DEADLINE = 90.0  # seconds any one awaited thing may take on a busy machine
 SLOW = 1.0  # seconds the slow drill adds to each step: 5x the held pace
 
@@ -34,8 +33,8 @@ SLOW = 1.0  # seconds the slow drill adds to each step: 5x the held pace
 class LiveJob:
     """A held job started by the ``live_job`` fixture: its output lines (with arrival times) and events."""
 
-    def __init__(self, proc: subprocess.Popen, log_dir: Path, hold: Path) -> None:
-        self.proc, self.hold = proc, hold
+    def __init__(self, proc: subprocess.Popen, log_dir: Path, hold: Path, run_id: str) -> None:
+        self.proc, self.hold, self.run_id = proc, hold, run_id
         self.lines: queue.Queue[tuple[float, str | None]] = queue.Queue()
         self.stdout: list[str] = []
         self.stderr: list[str] = []
@@ -93,20 +92,6 @@ class LiveJob:
         assert steps == set(range(STEPS))
 
 
-@pytest.fixture(scope="module")
-def baseline(run_ftrun, workload, tmp_path_factory) -> dict[int, float]:
-    """The fault-free run's loss per step."""
-    result = run_ftrun("--nproc-per-node", 4, workload("held_train.py"), *TRAINING, timeout=150)
-    assert result.returncode == 0, result.stderr[-3000:]
-    losses = {}
-    for line in result.stdout.splitlines():
-        match = COMMIT.search(line)
-        if match and match[1] == "0":
-            losses[int(match[4])] = float(match[5])
-    assert sorted(losses) == list(range(STEPS))
-    return losses
-
-
 @pytest.fixture
 def held_job(live_job, workload, tmp_path):
     """Start a held 4-worker job with --hang-timeout 3 (and more ftrun flags); returns its LiveJob."""
@@ -114,9 +99,9 @@ def held_job(live_job, workload, tmp_path):
     def start(*flags: str) -> LiveJob:
         hold, log_dir = tmp_path / "hold", tmp_path / "logs"
         hold.touch()
-        proc, _ = live_job("--nproc-per-node", 4, "--hang-timeout", 3, "--log-dir", log_dir, *flags,
-                           workload("held_train.py"), *TRAINING, env={"HOLD": str(hold)})
-        return LiveJob(proc, log_dir, hold)
+        proc, entry = live_job("--nproc-per-node", 4, "--hang-timeout", 3, "--log-dir", log_dir, *flags,
+                               workload("held_train.py"), *TRAINING, env={"HOLD": str(hold)})
+        return LiveJob(proc, log_dir, hold, entry.run_id)
 
     return start
 
@@ -147,7 +132,7 @@ def check_in_place(recovery: dict, lost_rank: int, world_before: int) -> None:
     assert (recovery["world_before"], recovery["world_after"]) == (world_before, world_before - 1), recovery
 
 
-def test_slow_kill_exception_and_hang_drills_on_one_live_job(held_job, baseline, capsys):
+def test_slow_kill_exception_and_hang_drills_on_one_live_job(held_job, held_baseline, capsys):
     """Slow rank 0, then clear it; kill rank 3, raise in rank 2, hang rank 1: three in-place recoveries."""
     job = held_job()
     gaps = gaps_of(job.commits(uid=0))
@@ -155,7 +140,8 @@ def test_slow_kill_exception_and_hang_drills_on_one_live_job(held_job, baseline,
     assert any(gap < SLOW for gap, _ in islice(gaps, 3))  # held pace: the slow drill below is measurable
 
     code, out, _ = inject(capsys, "slow", str(SLOW), "--rank", "0")
-    assert code == 0 and out.startswith("rank 0 (pid ") and out.endswith(f": each step slowed by {SLOW:g} s\n")
+    assert code == 0 and out.startswith(f"run {job.run_id}: rank 0 (pid ")
+    assert out.endswith(f": each step slowed by {SLOW:g} s\n")
     slowed = since(gaps, time.monotonic())
     assert any(gap >= SLOW for gap in islice(slowed, 5))  # the drill reaches the worker within a few steps
     assert all(gap >= SLOW for gap in islice(slowed, 3))
@@ -170,7 +156,7 @@ def test_slow_kill_exception_and_hang_drills_on_one_live_job(held_job, baseline,
 
     for kind, rank, world in (("kill", 3, 4), ("exception", 2, 3), ("hang", 1, 2)):
         code, out, _ = inject(capsys, kind, "--rank", str(rank))
-        assert code == 0 and out.startswith(f"rank {rank} (pid "), out
+        assert code == 0 and out.startswith(f"run {job.run_id}: rank {rank} (pid "), out
         injected = job.await_event(event="inject", kind=kind, rank=rank)
         if kind == "hang":
             hang = job.await_event(event="hang", pid=injected["pid"])
@@ -184,16 +170,17 @@ def test_slow_kill_exception_and_hang_drills_on_one_live_job(held_job, baseline,
     hung = {e["uid"] for e in job.of("hang")}
     assert exits == {0: 0, 1: -9, 2: -9 if 2 in hung else 1, 3: -9} and 1 in hung
     assert "InjectedFault: exception injected by ftrun inject into rank 2" in "".join(job.stderr)
-    job.check_losses(baseline)
+    job.check_losses(held_baseline)
 
 
-def test_chaos_injects_seeded_faults_each_recovered_in_place(held_job, baseline, capsys):
+def test_chaos_injects_seeded_faults_each_recovered_in_place(held_job, held_baseline, capsys):
     """Chaos at a 0.5 s MTBF over kill, hang and exception takes ranks until one is left, each recovered."""
     job = held_job()
     next(step for _, step in job.commits(uid=0) if step >= 3)
     code, out, err = inject(capsys, "chaos", "--mtbf", "0.5", "--duration", "60", "--kinds", "kill,hang,exception",
                             "--seed", "26")
     assert code == 0, out + err
+    assert out.startswith(f"chaos: run {job.run_id}, MTBF 0.5 s")
     assert out.count(": recovered in ") == 3 and "one live rank left" in out, out
     assert job.finish() == 0, "".join(job.stderr)[-3000:]
     injected = job.of("inject")
@@ -207,10 +194,10 @@ def test_chaos_injects_seeded_faults_each_recovered_in_place(held_job, baseline,
     assert [(e["kind"], e["rank"]) for e in injected] == expected
     assert [r["lost_uids"] for r in recoveries] == [[e["uid"]] for e in injected]
     assert [r["world_after"] for r in recoveries] == [3, 2, 1] and all(r["steps_lost"] == 0 for r in recoveries)
-    job.check_losses(baseline)
+    job.check_losses(held_baseline)
 
 
-def test_xid_and_ecc_drills_go_through_the_gpu_health_policy(held_job, baseline, capsys):
+def test_xid_and_ecc_drills_go_through_the_gpu_health_policy(held_job, held_baseline, capsys):
     """On a CPU job each local rank stands for a GPU: Xid 48 and an uncorrected ECC error evict the GPU (its
     rank is lost, the others recover in place); Xid 92 is only recorded."""
     job = held_job()
@@ -227,7 +214,7 @@ def test_xid_and_ecc_drills_go_through_the_gpu_health_policy(held_job, baseline,
             check_in_place(job.await_event(event="recovery", lost_uids=[injected["uid"]]), rank, world)
     assert job.finish() == 0, "".join(job.stderr)[-3000:]
     assert len(job.of("recovery")) == 2 and {e["gpu"] for e in job.of("gpu_health")} == {3, 2, 0}
-    job.check_losses(baseline)
+    job.check_losses(held_baseline)
 
 
 def test_an_exception_drill_needs_the_worker_api_and_is_refused_in_one_line(live_job, workload, tmp_path, capsys):
@@ -237,17 +224,54 @@ def test_an_exception_drill_needs_the_worker_api_and_is_refused_in_one_line(live
     assert "rank 1 does not use the ftrun worker API" in err
 
 
-@pytest.mark.parametrize("args, message", [
-    (["kill", "--rank", "0"], "no running ftrun job found on this machine"),
-    (["frobnicate", "--rank", "0"], "unknown drill 'frobnicate'"),
-    (["kill"], "inject kill needs --rank R"),
-    (["chaos", "--mtbf", "1"], "inject chaos needs --mtbf SECONDS and --duration SECONDS"),
+@pytest.mark.parametrize("args, code, message", [
+    (["kill", "--rank", "0"], 3, "no ftrun job is running on this machine"),
+    (["kill", "--rank", "0", "--run-id", "gone"], 3, "no ftrun job is running with run id 'gone'"),
+    (["frobnicate", "--rank", "0"], 2, "unknown drill 'frobnicate'"),
+    (["kill"], 2, "inject kill needs --rank R"),
+    (["chaos", "--mtbf", "1"], 2, "inject chaos needs --mtbf SECONDS and --duration SECONDS"),
+    (["kill", "--rank", "0", "--endpoint", "127.0.0.1:1"], 3, "cannot reach a job at 127.0.0.1:1"),
+    (["kill", "--rank", "0", "--endpoint", "h:1", "--run-id", "x"], 2, "--endpoint names the job already"),
 ])
-def test_bad_targets_are_one_line_and_exit_2(args, message, private_registry):
+def test_bad_targets_are_one_line(args, code, message, private_registry):
     result = subprocess.run([sys.executable, "-m", "ftrun", "inject", *args], env=private_registry, capture_output=True,
                             text=True, timeout=60)
-    assert result.returncode == 2 and result.stdout == ""
+    assert result.returncode == code and result.stdout == ""
     assert result.stderr.startswith("ftrun: error: " + message) and result.stderr.count("\n") == 1, result.stderr
+
+
+@pytest.mark.fast
+def test_a_drill_without_the_runs_secret_is_refused_before_it_is_sent(tmp_path, monkeypatch, capsys):
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from ftrun.store import keys
+    from ftrun.store.auth import Seal, new_secret, write_secret_file
+    from ftrun.store.job import JobStore
+
+    monkeypatch.delenv("FTRUN_SECRET_FILE", raising=False)
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    JobStore(server, Seal(new_secret())).write_job({"run_id": "r", "nnodes": 1})
+    other = tmp_path / "other"
+    write_secret_file(other, new_secret())
+    endpoint = f"127.0.0.1:{server.port}"
+    for args, message in (((), f"the job at {endpoint} signs its store with its secret: pass --secret-file"),
+                          (("--secret-file", str(other)), "does not sign its records with this secret")):
+        code, out, err = inject(capsys, "kill", "--rank", "0", "--endpoint", endpoint, *args)
+        assert (code, out) == (2, "") and err.count("\n") == 1 and message in err, err
+    assert not server.check([keys.mail_count(keys.node_box(0))])  # nothing was posted
+
+
+def test_with_two_jobs_running_inject_lists_them_and_touches_neither(live_job, workload, tmp_path, capsys):
+    jobs = [live_job("--nproc-per-node", 1, workload("wait_forever.py"), tmp_path) for _ in range(2)]
+    code, out, err = inject(capsys, "kill", "--rank", "0")
+    assert (code, out) == (2, "") and err.count("\n") == 1 and "2 ftrun jobs are running: " in err, err
+    assert all(entry.run_id in err for _, entry in jobs)
+    assert all(proc.poll() is None for proc, _ in jobs)  # nobody was killed
+    code, out, _ = inject(capsys, "kill", "--rank", "0", "--run-id", jobs[1][1].run_id)
+    assert code == 0 and out.startswith(f"run {jobs[1][1].run_id}: rank 0 (pid "), out
+    assert jobs[0][0].poll() is None
 
 
 @pytest.mark.fast

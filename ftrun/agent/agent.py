@@ -36,11 +36,12 @@ from ftrun.events import EventLog
 from ftrun.nccl import startup_notices
 from ftrun.processes import SignalWake, signal_name
 from ftrun.store import keys
+from ftrun.store.auth import Seal, write_secret_file
 from ftrun.store.client import open_client, open_client_retrying
 from ftrun.store.host import StoreHost
 from ftrun.store.job import JobStore
-from ftrun.store.leases import LeaseKeeper, NodeLeases
-from ftrun.store.mailbox import MailReader
+from ftrun.store.leases import LeaseKeeper, NodeLeases, fence_margin
+from ftrun.store.mailbox import MailReader, Outbox
 from ftrun.tally import run_summary
 
 STORE_TIMEOUT = 300.0
@@ -59,10 +60,11 @@ class Agent:
         self.store_host = store_host  # None: another process serves the store (node 0, or the hostfile launcher)
         self.console = console
         root = config.log_dir or registry.default_runs_root()
-        self.run_dir = root / (config.run_name or f"{config.run_id}_{uuid.uuid4().hex[:8]}")
-        if config.node_rank > 0:
-            self.run_dir = self.run_dir / f"node{config.node_rank}"
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        run = registry.private_dir(root / (config.run_name or f"{config.run_id}_{uuid.uuid4().hex[:8]}"))
+        self.run_name = run.name
+        """The run's name (its directory's), the same on every node: the run id `ftrun status` shows."""
+        self.run_dir = run if config.node_rank == 0 else registry.private_dir(run / f"node{config.node_rank}")
+        self.seal = Seal(config.secret)
         self.log = EventLog(self.run_dir / "events.jsonl")
         self.selector = selectors.DefaultSelector()
         self.pool = WorkerPool(config, self.selector, console, self.log, self.run_dir)
@@ -74,12 +76,13 @@ class Agent:
         self.store: JobStore | None = None  # the agent's own store handle, once the store is served
         self.coordination: Coordination | None = None  # one per attempt, made before its event loop starts
         self.mail: MailReader | None = None
+        self.outbox: Outbox | None = None  # this agent's messages to the other agents, numbered for the run
         self.node_leases: NodeLeases | None = None  # the leader's view of the followers' leases
         self.lease: LeaseKeeper | None = None  # a follower's own lease
         self.gpu_health = GpuHealth(self.log, console, self.pool, self.end_attempt, config.xid_table,
                                     local_ranks=config.nproc_per_node + config.recovery.spares,
                                     min_nproc=config.recovery.min_nproc)
-        self.status = StatusPublisher(RunInfo(self.run_dir.name, config.run_id, str(self.run_dir), config.node_rank,
+        self.status = StatusPublisher(RunInfo(self.run_name, config.run_id, str(self.run_dir), config.node_rank,
                                               config.min_nodes, config.world_size), self.pool, self.log,
                                       self.gpu_health.gpu_status)
         self.log.listeners.append(self.status.tally.add)
@@ -87,7 +90,7 @@ class Agent:
         """Training workers this attempt starts on this node: fewer than --nproc-per-node after a GPU eviction."""
         self.restarted_after: float | None = None
         """Wall-clock time of the failure that ended the previous attempt (None in the first)."""
-        drills = Drills(self.log, config.node_rank, self.ranked_workers,
+        drills = Drills(self.log, self.run_name, config.node_rank, self.ranked_workers,
                         lambda uid: self.coordination is not None and self.coordination.adopted(uid), self.gpu_health)
         self.commands: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
             protocol.PING: self._ping, protocol.INJECT: drills.inject}
@@ -111,9 +114,11 @@ class Agent:
         self.log.write(events.START, run_id=config.run_id, command=config.command, node=config.node_rank,
                        nproc=config.nproc_per_node, world_size=config.world_size, store_port=config.store.port)
         entry = None
+        if self.leader:
+            write_secret_file(self.run_dir / "secret", config.secret)  # for `ftrun status --secret-file`
         if not config.under_launcher:
             entry = registry.register(registry.new_entry(self.run_dir.name, config.run_id, config.master_addr,
-                                                         config.store.port, self.run_dir))
+                                                         config.store.port, self.run_dir, config.secret))
         try:
             with SignalWake(handled) as wake:
                 self.selector.register(wake.fd, selectors.EVENT_READ, (SIGNAL, wake))
@@ -191,44 +196,56 @@ class Agent:
 
     def _connect(self, timeout: float = STORE_TIMEOUT) -> JobStore:
         """A new client connection to the job's store."""
-        host = "127.0.0.1" if self.store_host is not None else self.config.store.host
-        return JobStore(open_client(host, self.config.store.port, timeout))
+        host = self.store_host.client_host if self.store_host is not None else self.config.store.host
+        return JobStore(open_client(host, self.config.store.port, timeout), self.seal)
 
     def _open_store(self, mail_w: int) -> JobStore:
         """Serve the store (or connect to it), and start this node's mailbox reader and lease."""
         config = self.config
         if self.store_host is not None:
-            store = JobStore(self.store_host.start())
+            store = JobStore(self.store_host.start(), self.seal)
         elif self.leader:
             store = self._connect()
-        else:  # short calls, so that its loop goes on to fence itself if the store stops answering
+        else:  # calls short enough that its loop, cut off, still fences itself before the leader evicts it
             where = f"{config.store.host}:{config.store.port}"
             store = JobStore(open_client_retrying(
-                config.store.host, config.store.port, config.node_timeout / 2, STORE_TIMEOUT,
+                config.store.host, config.store.port, fence_margin(config.node_timeout) / 2, STORE_TIMEOUT,
                 lambda: self.console.progress(f"waiting for the store at {where} (node 0 serves it): up to "
-                                              f"{STORE_TIMEOUT:.0f} s")))
+                                              f"{STORE_TIMEOUT:.0f} s")), self.seal)
             self.console.progress(None)
         if self.leader:
             store.write_job({"run_id": self.run_dir.name, "rdzv_id": config.run_id, "nnodes": config.min_nodes,
                              "world_size": config.world_size, "run_dir": str(self.run_dir)})
-        self.mail = MailReader(self._connect, keys.node_box(config.node_rank), mail_w)
+        senders = [keys.node_box(n) for n in range(1, config.min_nodes)] if self.leader else [keys.LEADER_BOX]
+        if self.leader and config.under_launcher:
+            senders.append(keys.LAUNCHER)
+        self.mail = MailReader(self._connect, keys.node_box(config.node_rank), mail_w, protocol.mail_problem,
+                               tuple(senders))
+        self.outbox = Outbox(store, keys.node_box(config.node_rank))
         self.mail.start()
         if config.multinode and self.leader:
             self.node_leases = NodeLeases(store, list(range(1, config.min_nodes)), config.node_timeout,
                                           time.monotonic())
         elif config.multinode:
-            self.lease = LeaseKeeper(lambda: self._connect(config.node_timeout / 2), config.node_rank,
+            # a renewal that hangs gives up in time to retry before the lease would fence this node
+            self.lease = LeaseKeeper(lambda: self._connect(config.node_timeout / 4), config.node_rank,
                                      config.node_timeout)
             self.lease.start()
-        self.status.store = store
+        self.status.store, self.status.dropped = store, self._dropped
         return store
+
+    def _dropped(self) -> dict[str, Any]:
+        """Messages this agent refused: from its mailbox (unsigned, forged, malformed) and its workers' channels."""
+        mail = self.mail
+        return {"mail": mail.dropped if mail else 0, "channel": self.pool.dropped,
+                "last": mail.last_dropped if mail else None}
 
     def _coordination(self) -> Coordination:
         """The current attempt's coordination: the leader's, or this follower's."""
         config = self.config
         if not self.leader:
             return Follower(config.node_rank, protocol.Plan(0, protocol.initial_members(self.sizes)),
-                            config.recovery.hang_timeout, self.store, self.log, self.console, self, self.pool,
+                            config.recovery.hang_timeout, self.outbox, self.log, self.console, self, self.pool,
                             self.lease)
         recovery = config.recovery
         options = RecoveryOptions(recovery.enabled, recovery.min_nproc, recovery.recovery_timeout,
@@ -237,7 +254,7 @@ class Agent:
                             config.multinode, self.restarted_after)
         leader = Leader(setup, self.store, self.log, self.console, self, self.pool, self.gpu_health)
         if self.node_leases is not None:
-            leader.nodes = RemoteNodes(self.store, self.node_leases, config.min_nodes, self.restart_count, self.log,
+            leader.nodes = RemoteNodes(self.outbox, self.node_leases, config.min_nodes, self.restart_count, self.log,
                                        self.console, self, leader)
         return leader
 
@@ -370,8 +387,8 @@ class Agent:
 
     def _ping(self, message: dict[str, Any]) -> dict[str, Any]:
         """Answer ``ping``: who this agent is and which ranks it runs."""
-        return {"ok": True, "node_rank": self.config.node_rank, "pid": os.getpid(), "attempt": self.restart_count,
-                "ranks": {str(rank): w.pid for rank, w in self.ranked_workers().items()}}
+        return {"ok": True, "run": self.run_name, "node_rank": self.config.node_rank, "pid": os.getpid(),
+                "attempt": self.restart_count, "ranks": {str(rank): w.pid for rank, w in self.ranked_workers().items()}}
 
     def _on_exit(self, uid: int) -> None:
         code = self.pool.reap(uid)

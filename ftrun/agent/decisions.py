@@ -15,7 +15,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ftrun.protocol import Plan
+from ftrun.protocol import RECOVERY_PHASES, Plan
 
 
 @dataclass
@@ -307,7 +307,7 @@ def recovery_summary(recovery: Recovery, first_commit: dict[str, Any], world_aft
     done = first_commit["time"]
     phases = {"detect": round(max(0.0, recovery.noticed - recovery.started), 6),
               "plan": round(recovery.plan_sent - max(recovery.noticed, recovery.started), 6)}
-    for name in ("abort", "rendezvous", "agree", "transfer"):
+    for name in RECOVERY_PHASES:
         phases[name] = max((r["timings"][name] for r in reports), default=0.0)
     recovered_at = max((r["plan_received"] + sum(r["timings"].values()) for r in reports), default=recovery.plan_sent)
     phases["first_step"] = round(done - recovered_at, 6)

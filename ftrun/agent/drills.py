@@ -10,9 +10,9 @@ single-threaded, so the event precedes the worker's exit and the recovery; a ref
 - ``slow``       the worker sleeps ``seconds`` in each step (0 clears), for ``duration`` seconds if given;
 - ``xid``, ``ecc`` a GPU health signal on the worker's GPU, through the same policy path as a real NVML event.
 
-The answer is ``{"ok": True, "message": ..., "rank", "uid", "pid", "fault", "time"}`` (``fault``: whether the
-worker is expected to be lost, so a recovery follows; ``time``: the event's, as the drill was carried out)
-or ``{"ok": False, "error": ...}``.
+The answer is ``{"ok": True, "run": ..., "message": ..., "rank", "uid", "pid", "fault", "time"}`` (``run``: the
+run acted on; ``fault``: whether the worker is expected to be lost, so a recovery follows; ``time``: the
+event's, as the drill was carried out) or ``{"ok": False, "run": ..., "error": ...}``.
 """
 
 from __future__ import annotations
@@ -39,9 +39,10 @@ class DrillError(Exception):
 class Drills:
     """Serves the ``inject`` command for one agent, on the workers it runs."""
 
-    def __init__(self, log: EventSink, node_rank: int, ranked: Callable[[], dict[int, Worker]],
+    def __init__(self, log: EventSink, run: str, node_rank: int, ranked: Callable[[], dict[int, Worker]],
                  adopted: Callable[[int], bool], gpu_health: GpuHealth) -> None:
         self.log = log
+        self.run = run
         self.node_rank = node_rank
         self.ranked = ranked
         """This node's live workers that hold a rank, by the rank they were started as."""
@@ -61,13 +62,13 @@ class Drills:
             worker = self._worker(message.get("rank"))
             what, fault = self.kinds[kind](worker, message)
         except DrillError as exc:
-            return {"ok": False, "error": str(exc)}
+            return {"ok": False, "run": self.run, "error": str(exc)}
         args = {k: v for k, v in message.items() if k not in ("cmd", "kind", "rank", "reply_to")}
         record = self.log.write(events.INJECT, kind=kind, rank=worker.slot.rank, uid=worker.uid,
                                          pid=worker.pid, args=args)
         where = f"rank {worker.slot.rank} (pid {worker.pid}, node {self.node_rank})"
-        return {"ok": True, "message": f"{where}: {what}", "rank": worker.slot.rank, "uid": worker.uid,
-                "pid": worker.pid, "fault": fault, "time": record["time"]}
+        return {"ok": True, "run": self.run, "message": f"{where}: {what}", "rank": worker.slot.rank,
+                "uid": worker.uid, "pid": worker.pid, "fault": fault, "time": record["time"]}
 
     def _worker(self, rank: Any) -> Worker:
         """The live worker started as ``rank`` on this node."""

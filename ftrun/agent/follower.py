@@ -18,8 +18,8 @@ from ftrun.agent.watchdog import HangWatchdog
 from ftrun.agent.workers import WorkerSlot
 from ftrun.health.hangs import HangPolicy
 from ftrun.store import keys
-from ftrun.store.job import JobStore
 from ftrun.store.leases import LeaseKeeper
+from ftrun.store.mailbox import Outbox
 
 if TYPE_CHECKING:
     from ftrun.agent.failures import WorkerFailure
@@ -32,11 +32,11 @@ PROGRESS_FORWARD_INTERVAL = 0.5
 class Follower:
     """A follower's part in an attempt: relays, hang watching, the lease, and the leader's orders."""
 
-    def __init__(self, node_rank: int, plan: protocol.Plan, hang_timeout: float | None, store: JobStore,
+    def __init__(self, node_rank: int, plan: protocol.Plan, hang_timeout: float | None, outbox: Outbox,
                  log: EventSink, notices: Notices, control: WorkerControl, local: LocalWorkers,
                  lease: LeaseKeeper) -> None:
         self.node_rank = node_rank
-        self.store = store
+        self.outbox = outbox
         self.log = log
         self.control = control
         self.local = local
@@ -160,9 +160,9 @@ class Follower:
                 self.recovery_gen = self.plan.gen
 
     def _tell_leader(self, message: dict[str, Any]) -> None:
-        """Post one message to the leader's mailbox; dropped if the store cannot be reached (within the
+        """Send one message to the leader's mailbox; dropped if the store cannot be reached (within the
         agent's store timeout): a node cut off that long is evicted by the leader and fences itself."""
         try:
-            self.store.post(keys.LEADER_BOX, message)
+            self.outbox.send(keys.LEADER_BOX, message)
         except RuntimeError:
             pass

@@ -17,8 +17,8 @@ from ftrun.agent.ports import EventSink, LeaderInbox, Notices, WorkerControl, Wo
 from ftrun.agent.workers import WorkerSlot
 from ftrun.protocol import UID_STRIDE
 from ftrun.store import keys
-from ftrun.store.job import JobStore
 from ftrun.store.leases import NodeLeases
+from ftrun.store.mailbox import Outbox
 
 
 def node_of(uid: int) -> int:
@@ -29,8 +29,8 @@ def node_of(uid: int) -> int:
 class RemoteWorker:
     """The leader's handle on a worker of another node: what the leader's coordination needs of a worker."""
 
-    def __init__(self, store: JobStore, slot: WorkerSlot, pid: int) -> None:
-        self.store = store
+    def __init__(self, outbox: Outbox, slot: WorkerSlot, pid: int) -> None:
+        self.outbox = outbox
         self.slot = slot
         self.pid = pid
         self.exitcode: int | None = None
@@ -50,15 +50,15 @@ class RemoteWorker:
             self._tell_agent({"t": protocol.SIGNAL, "sig": int(sig)})
 
     def _tell_agent(self, message: dict[str, Any]) -> None:
-        self.store.post(keys.node_box(node_of(self.uid)), {**message, "uid": self.uid})
+        self.outbox.send(keys.node_box(node_of(self.uid)), {**message, "uid": self.uid})
 
 
 class RemoteNodes:
     """The other nodes as the leader sees them: feeds their workers' news to the leader's coordination."""
 
-    def __init__(self, store: JobStore, leases: NodeLeases, nnodes: int, attempt: int, log: EventSink,
+    def __init__(self, outbox: Outbox, leases: NodeLeases, nnodes: int, attempt: int, log: EventSink,
                  notices: Notices, control: WorkerControl, coordination: LeaderInbox) -> None:
-        self.store = store
+        self.outbox = outbox
         self.leases = leases
         self.nnodes = nnodes
         self.attempt = attempt
@@ -90,7 +90,7 @@ class RemoteNodes:
         if kind == protocol.WORKER_STARTED:
             slot = WorkerSlot(uid=uid, worker_id=f"{node_of(uid)}:{uid}", local_rank=message["local_rank"],
                               rank=message["rank"], joiner=message["joiner"])
-            self.remote[uid] = RemoteWorker(self.store, slot, message["pid"])
+            self.remote[uid] = RemoteWorker(self.outbox, slot, message["pid"])
             self.log.write(events.WORKER_START, uid=uid, rank=slot.rank, local_rank=slot.local_rank,
                            pid=message["pid"], joiner=slot.joiner, attempt=self.attempt, node=node_of(uid))
             return
@@ -126,11 +126,11 @@ class RemoteNodes:
 
     def start_replacement(self, worker: WorkerHandle) -> None:
         """Ask ``worker``'s node to start a joiner in its place."""
-        self.store.post(keys.node_box(node_of(worker.uid)), {"t": protocol.START_WORKER, "uid": worker.uid,
+        self.outbox.send(keys.node_box(node_of(worker.uid)), {"t": protocol.START_WORKER, "uid": worker.uid,
                                                              "local_rank": worker.slot.local_rank,
                                                              "rank": worker.slot.rank})
 
     def stop(self, reason: str) -> None:
         """The leader gives up: every other node stops its workers too."""
         for node in range(1, self.nnodes):
-            self.store.post(keys.node_box(node), {"t": protocol.STOP, "reason": f"the leader stopped: {reason}"})
+            self.outbox.send(keys.node_box(node), {"t": protocol.STOP, "reason": f"the leader stopped: {reason}"})

@@ -15,7 +15,7 @@ from ftrun.agent.ports import EventSink
 from ftrun.agent.workers import Worker, WorkerSlot, spawn_worker
 from ftrun.config import LaunchConfig
 from ftrun.console import STDERR, STDOUT, Console
-from ftrun.protocol import UID_STRIDE
+from ftrun.protocol import UID_STRIDE, worker_message_problem
 
 OUTPUT, CHANNEL, EXIT = "output", "channel", "exit"
 """The tags of a worker's registrations in the agent's selector: ``(tag, (uid, stream))`` / ``(tag, uid)``."""
@@ -40,6 +40,8 @@ class WorkerPool:
         self.sizes = config.sizes
         self.first_uid = config.node_rank * UID_STRIDE
         self.next_uid = self.first_uid
+        self.dropped = 0
+        """Lines on the workers' control channels that were not a message the agent knows (and ignored)."""
 
     # ------------------------------------------------------------ the ports' side
     def get(self, uid: int) -> Worker | None:
@@ -121,7 +123,17 @@ class WorkerPool:
         if not data:
             self.selector.unregister(worker.channel)
             return []
-        return [json.loads(line) for line in worker.channel_lines.feed(data) if line]
+        messages = []
+        for line in filter(None, worker.channel_lines.feed(data)):
+            try:
+                message = json.loads(line)
+            except (ValueError, RecursionError):
+                message = line
+            if worker_message_problem(message) is None:
+                messages.append(message)
+            else:
+                self.dropped += 1  # the worker's own program wrote on the channel, or another ftrun version
+        return messages
 
     def reap(self, uid: int) -> int:
         """A worker's pidfd said it ended: collect its exit code, read what it left in its pipes, record it."""

@@ -75,6 +75,8 @@ class StatusPublisher:
         self.workers = workers
         self.gpu_status = gpu_status
         self.store: JobStore | None = None
+        self.dropped: Callable[[], dict[str, Any]] | None = None
+        """The messages the agent refused so far (``mail``, ``channel``, ``last``: why the last was)."""
         self.coordination: Coordination | None = None
         self.attempt = 0
         self.tally = EventTally()
@@ -130,7 +132,7 @@ class StatusPublisher:
         workers = [self._worker(w, gpus.get(w.slot.local_rank)) for w in self.workers.all()]
         return {"node_rank": self.run.node_rank, "host": self.host, "agent_pid": os.getpid(),
                 "time": time.time(), "attempt": self.attempt, "workers": workers,
-                "events": list(self.tally.recent)}
+                "dropped": self.dropped() if self.dropped else None, "events": list(self.tally.recent)}
 
     def job_record(self) -> dict[str, Any]:
         """The job as the leader sees it: the event tally plus generation, world size, progress rate."""

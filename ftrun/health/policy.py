@@ -151,7 +151,7 @@ def parse_action(name: object) -> Action:
             if action.value == key:
                 return action
     choices = ", ".join(a.value for a in Action)
-    raise ValueError(f"unknown action {name!r} (choose from {choices})")
+    raise ValueError(f"unknown action {repr(name)[:40]} (choose from {choices})")
 
 
 def load_table(path: str | Path, base: XidTable = DEFAULT_TABLE) -> dict[int, tuple[Action, str]]:
@@ -167,6 +167,8 @@ def load_table(path: str | Path, base: XidTable = DEFAULT_TABLE) -> dict[int, tu
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise UsageError(f"cannot read health policy file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"health policy file {path} is not UTF-8 text: save it as UTF-8") from None
     data = _parse(path, text)
     if not isinstance(data, dict) or set(data) - {"xid"}:
         extra = sorted(set(data) - {"xid"}) if isinstance(data, dict) else None
@@ -191,18 +193,26 @@ def load_table(path: str | Path, base: XidTable = DEFAULT_TABLE) -> dict[int, tu
 def _parse(path: Path, text: str) -> Any:
     """The file's content as TOML (by suffix) or JSON; UsageError on a syntax error."""
     is_toml = path.suffix.lower() == ".toml"
+    kind = "TOML" if is_toml else "JSON"
     try:
         return tomllib.loads(text) if is_toml else json.loads(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
         message = " ".join(str(exc).split())
-        kind = "TOML" if is_toml else "JSON"
         raise UsageError(f"health policy file {path} is not valid {kind}: {message}") from None
+    except (RecursionError, ValueError):  # nested too deeply, or a number too long for int()
+        raise UsageError(f"health policy file {path} is not a policy: {kind} nested too deeply or with a "
+                         "number too long; expected one 'xid' table of code = action") from None
+
+
+MAX_XID = 2**32 - 1
+"""The largest Xid code: NVML reports them as 32-bit values."""
 
 
 def _parse_code(path: Path, key: object) -> int:
-    """An Xid code from a table key ("13" or 13); UsageError unless a positive integer."""
-    text = str(key).strip()
-    code = int(text) if text.isdigit() else 0
-    if code <= 0:
-        raise UsageError(f"health policy file {path}: {key!r} is not an Xid code (a positive integer)")
-    return code
+    """An Xid code from a table key ("13" or 13); UsageError unless a whole number from 1 to MAX_XID, in
+    ASCII digits."""
+    text = str(key).strip() if isinstance(key, (str, int)) and not isinstance(key, bool) else ""
+    if not (text.isascii() and text.isdigit() and len(text) <= 10 and 0 < int(text) <= MAX_XID):
+        raise UsageError(f"health policy file {path}: {str(key)[:40]!r} is not an Xid code (a whole number from "
+                         f"1 to {MAX_XID})")
+    return int(text)

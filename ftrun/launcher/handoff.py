@@ -5,7 +5,8 @@ configuration with its own part filled in (node rank, workers per node, the stor
 directory name, its host name) and runs on it as it is: no flag is parsed again on another host. The line
 travels in the ``FTRUN_HANDOFF`` variable, set in a local agent's environment or, for a remote one, by the
 ssh supervisor from ssh's standard input with the forwarded variables (so nothing of it shows in any
-process's command line); the agent removes it from its environment before starting workers.
+process's command line); the agent removes it from its environment before starting workers. It carries the
+run's secret (``LaunchConfig.secret``), which the workers never see.
 
 A hand-off of another version is refused with one line: every host must run the same ftrun.
 """

@@ -27,7 +27,9 @@ from ftrun.errors import UsageError
 _HOSTNAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 _BRACKETED = re.compile(r"\[([^\]]*)\](?::(.*))?")
 _SLOT_KEYS = {"slots": "slots", "max_slots": "max_slots", "max-slots": "max_slots"}
-_COUNT_FIX = "use a whole number of at least 1"
+MAX_WORKERS_PER_NODE = 1024
+"""Workers (with spares) one node may run: more is a typo, not a job."""
+_COUNT_FIX = f"use a whole number from 1 to {MAX_WORKERS_PER_NODE}"
 
 
 @dataclass(frozen=True)
@@ -44,8 +46,8 @@ class _Refused(Exception):
 
 def _count(text: str, what: str) -> int:
     """Parse a slot count: digits only, at least 1."""
-    if not text.isascii() or not text.isdigit() or int(text) < 1:
-        raise _Refused(f"bad {what} {text!r}: {_COUNT_FIX}")
+    if not (text.isascii() and text.isdigit() and len(text) <= 6 and 1 <= int(text) <= MAX_WORKERS_PER_NODE):
+        raise _Refused(f"bad {what} {text[:20]!r}: {_COUNT_FIX}")
     return int(text)
 
 
@@ -183,3 +185,39 @@ def is_local(host: str) -> bool:
     except (OSError, UnicodeError):
         return False
     return any(_is_loopback(address) or address.lower() in local for address in resolved)
+
+
+def choose_listen_address(host: str, resolved: list[str], local: set[str], multinode: bool) -> str:
+    """The address the store listens on for clients that reach it as ``host`` (which resolves, here, to
+    ``resolved``, in order; ``local``: this machine's interface addresses): the one they will connect to.
+
+    Loopback for a job on this machine only; for several nodes, the address of this machine that ``host``
+    names, so that the store answers on the network the hosts share and on no other. UsageError when there
+    is none: a name that only resolves to loopback here (the ``127.0.1.1 hostname`` line of many
+    ``/etc/hosts``) would be unreachable from the other hosts.
+    """
+    addresses = [a.split("%", 1)[0].lower() for a in resolved]
+    mine = [a for a in addresses if a in local and not _is_loopback(a)]
+    if mine:
+        return mine[0]
+    loopback = [a for a in addresses if _is_loopback(a)]
+    if loopback and (not multinode or host.lower() == "localhost" or _is_loopback(host)):
+        return next((a for a in loopback if ":" not in a), loopback[0])  # clients try every address in turn
+    if loopback:
+        raise UsageError(f"the store's host {host!r} resolves to {loopback[0]} (loopback) on this machine, which "
+                         "the other hosts cannot reach: give this machine's address on their network with "
+                         "--master-addr (or --rdzv-endpoint), or listen on every interface with --rdzv-conf "
+                         "bind=0.0.0.0")
+    found = ", ".join(addresses) or "no address"
+    raise UsageError(f"the store's host {host!r} ({found}) is not this machine, which hosts the store: give this "
+                     "machine's name or address with --master-addr (or --rdzv-endpoint)")
+
+
+def listen_address(host: str, multinode: bool) -> str:
+    """:func:`choose_listen_address` for ``host`` as this machine resolves it; UsageError if it cannot."""
+    try:
+        resolved = [info[4][0] for info in socket.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)]
+    except (OSError, UnicodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise UsageError(f"cannot resolve the store's host {host!r}: {why}") from None
+    return choose_listen_address(host.strip("[]"), resolved, _local_names(), multinode)

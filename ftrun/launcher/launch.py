@@ -21,7 +21,7 @@ def launch(config: LaunchConfig) -> int:
         return HostLauncher(config, console).run()
     store_host = None
     if config.host_store:
-        store_host = StoreHost(config.store)
+        store_host = StoreHost(config.store, config.store_listen)
         config = dataclasses.replace(config, store=Endpoint(config.store.host, store_host.port))
     if config.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
         console.notice(

@@ -29,8 +29,10 @@ from ftrun.launcher.hosts import Host, is_local
 from ftrun.lines import LineBuffer
 from ftrun.processes import SignalWake, die_with_parent, signal_name
 from ftrun.store import keys
+from ftrun.store.auth import Seal
 from ftrun.store.host import StoreHost
 from ftrun.store.job import JobStore
+from ftrun.store.mailbox import Outbox
 
 
 @dataclass
@@ -59,20 +61,22 @@ class HostLauncher:
         self.selector = selectors.DefaultSelector()
         self.agents: list[AgentProcess] = []
         self.store: JobStore | None = None
+        self.outbox: Outbox | None = None  # the launcher's messages to the leader (a node's agent ended)
 
     def run(self) -> int:
         """Launch, relay output until node 0's agent ends, stop the rest; node 0's exit code."""
         self._probe()
-        store_host = StoreHost(self.config.store)
+        store_host = StoreHost(self.config.store, self.config.store_listen)
         store = Endpoint(self.config.master_addr, store_host.port)
         for node, host in enumerate(self.hosts):
             self._start_agent(node, host, store)
         entry = registry.register(registry.new_entry(self.run_name, self.config.run_id, self.config.master_addr,
-                                                     store_host.port, self.run_dir))
+                                                     store_host.port, self.run_dir, self.config.secret))
         try:
             with SignalWake((signal.SIGINT, signal.SIGTERM, signal.SIGHUP)) as wake:
                 self.selector.register(wake.fd, selectors.EVENT_READ, None)
-                self.store = JobStore(store_host.start())
+                self.store = JobStore(store_host.start(), Seal(self.config.secret))
+                self.outbox = Outbox(self.store, keys.LAUNCHER)
                 return self._relay(wake)
         finally:
             registry.unregister(entry)
@@ -161,8 +165,8 @@ class HostLauncher:
         if agent.exitcode != 0:
             why = f"the agent on {agent.host.name} ended: {self._why(agent)}"
             self.console.notice(f"ftrun: node {agent.node}: {why}", style="bold yellow")
-            self.store.post(keys.LEADER_BOX, {"t": protocol.NODE_GONE, "node": agent.node, "reason": why,
-                                              "since": agent.ended_at})
+            self.outbox.send(keys.LEADER_BOX, {"t": protocol.NODE_GONE, "node": agent.node, "reason": why,
+                                               "since": agent.ended_at})
         return False
 
     def _why(self, agent: AgentProcess) -> str:

@@ -22,13 +22,14 @@ PIPE_WIDTH = 160
 """Columns of the table when the output is not a terminal."""
 
 
-def status(endpoint: str | None, run_id: str | None, log_dir: Path | None, as_json: bool, watch: bool) -> int:
-    """Show the job(s) the flags name; returns the exit code: 0 healthy, 1 degraded, (NoSuchJob: 3)."""
+def status(endpoint: str | None, run_id: str | None, log_dir: Path | None, as_json: bool, watch: bool,
+           secret_file: str | None = None) -> int:
+    """Show the job the flags name; returns the exit code: 0 healthy, 1 degraded, (NoSuchJob: 3)."""
     if as_json and watch:
         raise UsageError("--json and --watch do not go together (run --json again to poll)")
     if endpoint and (run_id or log_dir):
         raise UsageError("--endpoint names the job already; drop --run-id / --log-dir")
-    targets = find_targets(endpoint, run_id, log_dir)
+    targets = find_targets(endpoint, run_id, log_dir, secret_file)
     docs = [target.document() for target in targets]
     if as_json:
         json.dump({"time": time.time(), "jobs": docs}, sys.stdout, indent=2)

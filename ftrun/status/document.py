@@ -36,8 +36,18 @@ def live_document(job: dict[str, Any], nodes: list[dict[str, Any]], endpoint: st
     doc.update(source="live", endpoint=endpoint, state=state, health="degraded" if degraded else "healthy",
                uptime=now - job["started"] if job.get("started") else None,
                record_age=max((now - node["time"] for node in nodes), default=None),
-               recoveries=_recoveries(job["recoveries"]), workers=workers, events=events)
+               recoveries=_recoveries(job["recoveries"]), workers=workers, events=events,
+               dropped_messages=_dropped(nodes))
     return doc
+
+
+def _dropped(nodes: list[dict[str, Any]]) -> dict[str, Any]:
+    """The messages the agents refused (unsigned, forged or malformed), summed over the nodes, and the last
+    reason one gave."""
+    counts = [node.get("dropped") or {} for node in nodes]
+    last = next((c["last"] for c in reversed(counts) if c.get("last")), None)
+    return {"mail": sum(c.get("mail", 0) for c in counts), "channel": sum(c.get("channel", 0) for c in counts),
+            "last": last}
 
 
 def ended_document(events: list[dict[str, Any]], run_dir: Path) -> dict[str, Any]:
@@ -51,7 +61,7 @@ def ended_document(events: list[dict[str, Any]], run_dir: Path) -> dict[str, Any
                source="event log", endpoint=None, state="ended", health="ended", record_age=None,
                uptime=ended - started if started and ended else None,
                recoveries=_recoveries(summary["recoveries"]), workers=_last_workers(events),
-               events=summary["events"])
+               events=summary["events"], dropped_messages=None)
     return doc
 
 

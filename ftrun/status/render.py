@@ -62,6 +62,10 @@ def job_line(doc: dict[str, Any]) -> Text:
     text.append(f"\ngen {doc['generation']}  world {world}  nodes {doc['nnodes']}  {up} {duration(doc['uptime'])}"
                 f"  step {_or_none(doc['step'])}{rate}  faults {doc['faults']} (survived {doc['faults_survived']})"
                 f"  restarts {doc['restarts']}")
+    dropped = doc.get("dropped_messages") or {}
+    if dropped.get("mail") or dropped.get("channel"):
+        text.append(f"\nrefused {dropped['mail']} store messages and {dropped['channel']} worker lines "
+                    f"(last: {dropped['last'] or 'a malformed line'})", style="yellow")
     return text
 
 

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from ftrun import registry
-from ftrun.errors import NoSuchJob
+from ftrun.errors import NoSuchJob, UsageError
 from ftrun.events import read_events
 from ftrun.status.document import ended_document, live_document
-from ftrun.store.client import STORE_START_WAIT, connect
+from ftrun.store.client import STORE_START_WAIT, connect_job, parse_endpoint
 from ftrun.store.job import JobStore, MalformedValue
 
 FIRST_RECORD_WAIT = 5.0
@@ -20,11 +20,14 @@ FIRST_RECORD_WAIT = 5.0
 
 @dataclass
 class Target:
-    """One job to show: its store endpoint while it runs, its run directory where it is known here."""
+    """One job to show: its store endpoint (and the run's secret) while it runs, its run directory where it is
+    known here."""
 
     endpoint: str | None
     run_dir: Path | None
     registered: bool = False  # found in this machine's registry: its store may not be served yet
+    secret: str | None = field(default=None, repr=False)  # None: from secret_file (or FTRUN_SECRET_FILE)
+    secret_file: str | None = None
     store: JobStore | None = field(default=None, repr=False)  # the connection, kept between --watch refreshes
 
     def document(self) -> dict[str, Any]:
@@ -41,35 +44,48 @@ class Target:
     def _live(self) -> dict[str, Any]:
         first = self.store is None
         if first:
-            self.store = JobStore(connect(self.endpoint, connect_timeout=STORE_START_WAIT if self.registered else None))
+            self.store = connect_job(self.endpoint, self.secret, self.secret_file,
+                                     STORE_START_WAIT if self.registered else None)
         try:
             job = self.store.read_job_status(FIRST_RECORD_WAIT if first else 0.0)
             if job is None:
                 raise NoSuchJob(f"no ftrun status record at {self.endpoint} within {FIRST_RECORD_WAIT:.0f} s "
                                 f"(not an ftrun job's store, or an ftrun without `status`)")
-            records = (self.store.read_node_status(n) for n in range(job["nnodes"]))
-            nodes = [record for record in records if record is not None]  # the published ones
+            nodes = [record for record in map(self._node, range(job["nnodes"])) if record is not None]
         except RuntimeError as exc:  # the store went away: the job ended
             raise NoSuchJob(f"the job at {self.endpoint} is gone ({str(exc).splitlines()[0]})") from None
-        except MalformedValue as exc:
-            raise NoSuchJob(f"the status records at {self.endpoint} are unreadable ({exc})") from None
+        except MalformedValue:
+            raise UsageError(f"the job at {self.endpoint} does not sign its status with this secret: give its own "
+                             "(--secret-file)") from None
         return live_document(job, nodes, self.endpoint, time.time())
 
+    def _node(self, node_rank: int) -> dict[str, Any] | None:
+        """A node's published record; None before its first, or while what is there is not its agent's (the
+        next record replaces it within a second)."""
+        try:
+            return self.store.read_node_status(node_rank)
+        except MalformedValue:
+            return None
 
-def find_targets(endpoint: str | None, run_id: str | None, log_dir: Path | None) -> list[Target]:
-    """The jobs the flags name: --endpoint, --run-id (running here, else its run directory), --log-dir, or every
-    job running on this machine. Raises NoSuchJob, with what was looked at, when there is none."""
+
+def find_targets(endpoint: str | None, run_id: str | None, log_dir: Path | None,
+                 secret_file: str | None = None) -> list[Target]:
+    """The one job the flags name: --endpoint (with its secret), --run-id (running here, else its run
+    directory), --log-dir, or the only job running on this machine. Raises NoSuchJob, with what was looked
+    at, when there is none, and UsageError, listing them, when several jobs running here would match."""
     if endpoint:
-        return [Target(endpoint, None)]
-    running = registry.running()
-    if run_id is None and log_dir is None:
-        if not running:
-            raise NoSuchJob("no ftrun job is running on this machine (name one with --endpoint HOST:PORT, "
-                            "or a past one with --run-id ID or --log-dir DIR)")
-        return [Target(e.endpoint, Path(e.run_dir), registered=True) for e in running]
-    live = [e for e in running if run_id in (e.run_id, e.rdzv_id)] if log_dir is None else []
-    if live:
-        return [Target(e.endpoint, Path(e.run_dir), registered=True) for e in live]
+        parse_endpoint(endpoint)
+        return [Target(endpoint, None, secret_file=secret_file)]
+    if secret_file:
+        raise UsageError("--secret-file goes with --endpoint: a job running here is found with its secret")
+    if log_dir is None:
+        try:
+            entry = registry.only_running(run_id, "name one with --endpoint HOST:PORT, or a past one with --run-id "
+                                                  "ID or --log-dir DIR")
+            return [Target(entry.endpoint, Path(entry.run_dir), registered=True, secret=entry.secret)]
+        except NoSuchJob:
+            if run_id is None:
+                raise
     root = log_dir or registry.default_runs_root()
     if not root.is_dir():
         raise NoSuchJob(f"--log-dir {root}: no such directory")
@@ -79,8 +95,8 @@ def find_targets(endpoint: str | None, run_id: str | None, log_dir: Path | None)
     if not found:
         raise NoSuchJob(f"{root} holds no run (no events.jsonl in it or in its folders)")
     newest = found[-1]
-    entry = next((e for e in running if Path(e.run_dir) == newest), None)
-    return [Target(entry.endpoint if entry else None, newest, registered=entry is not None)]
+    entry = next((e for e in registry.running() if Path(e.run_dir) == newest), None)
+    return [Target(entry.endpoint, newest, registered=True, secret=entry.secret) if entry else Target(None, newest)]
 
 
 def run_dirs(root: Path, run_id: str | None) -> list[Path]:

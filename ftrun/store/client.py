@@ -12,6 +12,8 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from ftrun.errors import NoSuchJob, UsageError
+from ftrun.store.auth import Seal, secret_for_endpoint
+from ftrun.store.job import JobStore
 from ftrun.store.wire import StoreClient, StoreError
 
 if TYPE_CHECKING:
@@ -68,3 +70,11 @@ def connect(endpoint: str, timeout: float = 5.0, connect_timeout: float | None =
         return StoreClient(host, port, timeout, connect_timeout)
     except StoreError as exc:
         raise NoSuchJob(f"cannot reach a job at {host}:{port}: {exc}") from None
+
+
+def connect_job(endpoint: str, secret: str | None, secret_file: str | None = None,
+                connect_timeout: float | None = None) -> JobStore:
+    """The store of the job at HOST:PORT, read and written with the run's ``secret`` (None: the one in
+    ``secret_file`` or FTRUN_SECRET_FILE). NoSuchJob when nobody answers there, before any secret is asked for."""
+    kv = connect(endpoint, connect_timeout=connect_timeout)
+    return JobStore(kv, Seal(secret or secret_for_endpoint(secret_file, endpoint)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import ipaddress
 import socket
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -15,19 +16,23 @@ if TYPE_CHECKING:
 
 
 class StoreHost:
-    """Hosts the job's TCPStore on a socket bound at construction.
+    """Hosts the job's TCPStore on a socket bound at construction, on one address.
 
-    Binding first gives a clear error for a busy port before anything starts, and lets workers be spawned
-    (and import torch) while the agent itself is still importing torch: their store clients connect to
-    the already-listening socket and are served once :meth:`start` hands it to TCPStore.
+    The address is the one the clients use (``LaunchConfig.store_listen``): loopback for a job on this
+    machine, this machine's address on the hosts' network for several nodes; every interface only when
+    asked. Binding first gives a clear error for a busy port before anything starts, and lets workers be
+    spawned (and import torch) while the agent itself is still importing torch: their store clients connect
+    to the already-listening socket and are served once :meth:`start` hands it to TCPStore.
     """
 
-    def __init__(self, endpoint: Endpoint) -> None:
-        self.host = endpoint.host
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    def __init__(self, endpoint: Endpoint, listen: str) -> None:
+        address = ipaddress.ip_address(listen)
+        self.client_host = ("::1" if address.version == 6 else "127.0.0.1") if address.is_unspecified else listen
+        """Where this machine's own clients (the agent, a local status) reach the store."""
+        self.sock = socket.socket(socket.AF_INET6 if address.version == 6 else socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            self.sock.bind(("", endpoint.port))
+            self.sock.bind((listen, endpoint.port))
         except OSError as exc:
             self.sock.close()
             if exc.errno == errno.EADDRINUSE:
@@ -35,7 +40,7 @@ class StoreHost:
                     f"port {endpoint.port} is already in use: pick a free one with --master-port/--rdzv-endpoint, "
                     "or leave it out and ftrun picks one"
                 ) from None
-            raise UsageError(f"cannot listen on port {endpoint.port}: {exc.strerror}") from None
+            raise UsageError(f"cannot listen on {listen} port {endpoint.port}: {exc.strerror}") from None
         self.sock.listen(1024)
         self.port: int = self.sock.getsockname()[1]
         self.store: TCPStore | None = None
@@ -45,7 +50,7 @@ class StoreHost:
         from torch.distributed import TCPStore
 
         self.store = TCPStore(
-            self.host,
+            self.client_host,
             self.port,
             is_master=True,
             master_listen_fd=self.sock.fileno(),

@@ -10,38 +10,50 @@ from typing import Any
 from ftrun.errors import UsageError
 from ftrun.protocol import Plan
 from ftrun.store import keys
+from ftrun.store.auth import MalformedValue, Seal
 from ftrun.store.kv import KeyValue
 
-
-class MalformedValue(ValueError):
-    """A value in the store that is not what ftrun wrote there (not JSON, not an object)."""
+__all__ = ["JobStore", "MalformedValue", "decode_object"]
 
 
 def decode_object(raw: bytes | str) -> dict[str, Any]:
     """A JSON object read from the store; :class:`MalformedValue` for anything else."""
     try:
         value = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise MalformedValue(f"not JSON: {exc}") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise MalformedValue(f"not JSON: {type(exc).__name__}") from None
     if not isinstance(value, dict):
         raise MalformedValue(f"not a JSON object but {type(value).__name__}")
     return value
 
 
 class JobStore:
-    """The one interface the agent, the workers' launcher side, ``ftrun status`` and ``ftrun inject`` use.
+    """The one interface the agents, the hostfile launcher, ``ftrun status`` and ``ftrun inject`` use.
 
-    Every key comes from :mod:`ftrun.store.keys`; every value ftrun writes is JSON. A store backend plugs in
-    below as the :class:`KeyValue` it wraps. Calls raise ``RuntimeError`` when the store does not answer.
+    Every key comes from :mod:`ftrun.store.keys`; every value ftrun writes is a JSON object sealed for its key
+    with the run's secret (:class:`~ftrun.store.auth.Seal`), and every value read is checked: one that is
+    not, whoever wrote it, raises :class:`MalformedValue`, never reaches a caller as data. Counters (mailbox
+    indices) are the backend's own and carry no seal. A store backend plugs in below as the
+    :class:`KeyValue` it wraps. Calls raise ``RuntimeError`` when the store does not answer.
     """
 
-    def __init__(self, kv: KeyValue) -> None:
+    def __init__(self, kv: KeyValue, seal: Seal) -> None:
         self.kv = kv
+        self.seal = seal
+
+    def _set(self, key: str, value: dict[str, Any]) -> None:
+        self.kv.set(key, self.seal.seal(key, json.dumps(value).encode()))
+
+    def _get(self, key: str) -> dict[str, Any]:
+        return decode_object(self.seal.open(key, self.kv.get(key)))
+
+    def _get_if_there(self, key: str) -> dict[str, Any] | None:
+        return self._get(key) if self.kv.check([key]) else None
 
     # ------------------------------------------------------------ records
     def write_job(self, info: dict[str, Any]) -> None:
         """The job's description (run id, nodes, world size, run directory): written by the leader at start."""
-        self.kv.set(keys.JOB, json.dumps(info))
+        self._set(keys.JOB, info)
 
     def read_job(self, wait: float) -> dict[str, Any] | None:
         """The job's description, waiting up to ``wait`` s for a job that has just started; None if absent."""
@@ -49,11 +61,11 @@ class JobStore:
 
     def write_status(self, node_rank: int, record: dict[str, Any]) -> None:
         """Node ``node_rank``'s live status record."""
-        self.kv.set(keys.status_node(node_rank), json.dumps(record))
+        self._set(keys.status_node(node_rank), record)
 
     def write_job_status(self, record: dict[str, Any]) -> None:
         """The job's live status record (the leader's)."""
-        self.kv.set(keys.STATUS_JOB, json.dumps(record))
+        self._set(keys.STATUS_JOB, record)
 
     def read_job_status(self, wait: float = 0.0) -> dict[str, Any] | None:
         """The job's live status record, waiting up to ``wait`` s for the first; None if there is none."""
@@ -61,7 +73,7 @@ class JobStore:
 
     def read_node_status(self, node_rank: int) -> dict[str, Any] | None:
         """Node ``node_rank``'s live status record, None until it published one."""
-        return self._read_waiting(keys.status_node(node_rank), 0.0)
+        return self._get_if_there(keys.status_node(node_rank))
 
     def _read_waiting(self, key: str, wait: float) -> dict[str, Any] | None:
         if wait > 0:
@@ -69,27 +81,33 @@ class JobStore:
                 self.kv.wait([key], timedelta(seconds=wait))
             except RuntimeError:  # torch raises DistStoreError (a RuntimeError) on timeout
                 return None
-        elif not self.kv.check([key]):
-            return None
-        return decode_object(self.kv.get(key))
+        return self._get_if_there(key)
 
     # ------------------------------------------------------------ mailboxes
     def post(self, box: str, message: dict[str, Any]) -> int:
-        """Append ``message`` to mailbox ``box`` (any number of writers, one reader); returns its index."""
+        """Append the command ``message`` to mailbox ``box`` (from any client); returns its index.
+
+        The index is part of the sealed key: a command cannot be replayed at another index.
+        """
         index = self.kv.add(keys.mail_count(box), 1)
-        self.kv.set(keys.mail_item(box, index), json.dumps(message))
+        self._set(keys.mail_item(box, index), message)
         return index
 
-    def has_mail(self, box: str, index: int) -> bool:
-        """Whether message ``index`` of ``box`` has arrived."""
-        return self.kv.check([keys.mail_item(box, index)])
+    def send(self, box: str, sender: str, index: int, message: dict[str, Any]) -> None:
+        """Write ``sender``'s ``index``-th message to ``box`` (agents number their own: see ``Outbox``)."""
+        self._set(keys.sent_item(box, sender, index), message)
 
-    def take_mail(self, box: str, index: int) -> dict[str, Any]:
-        """Read and delete message ``index`` of ``box`` (it has arrived); MalformedValue if it is not ftrun's."""
-        key = keys.mail_item(box, index)
-        raw = self.kv.get(key)
+    def has_mail(self, key: str) -> bool:
+        """Whether something is stored at the mailbox key ``key``."""
+        return self.kv.check([key])
+
+    def read_mail(self, key: str) -> dict[str, Any]:
+        """The message at mailbox key ``key`` (something is there); MalformedValue if ftrun did not write it."""
+        return self._get(key)
+
+    def discard_mail(self, key: str) -> None:
+        """Delete what is at mailbox key ``key`` (read, or given up on)."""
         self.kv.delete_key(key)
-        return decode_object(raw)
 
     def request(self, box: str, message: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
         """Post a command to ``box`` and wait for the reader's answer (UsageError when none comes)."""
@@ -100,36 +118,46 @@ class JobStore:
             self.kv.wait([key], timedelta(seconds=timeout))
         except RuntimeError:
             raise UsageError(f"the job did not answer within {timeout:.0f} s (is it still running?)") from None
-        answer = self.kv.get(key)
-        self.kv.delete_key(key)
         try:
-            return decode_object(answer)
+            return self._get(key)
         except MalformedValue as exc:
             raise UsageError(f"the job's answer was not understood ({exc})") from None
+        finally:
+            self.kv.delete_key(key)
 
     def reply(self, message: dict[str, Any], answer: dict[str, Any]) -> None:
         """Answer a command posted with :meth:`request` (nothing to do for one without ``reply_to``)."""
         token = message.get("reply_to")
         if isinstance(token, str) and token:
-            self.kv.set(keys.reply(token), json.dumps(answer))
+            self._set(keys.reply(token), answer)
 
     # ------------------------------------------------------------ leases
-    def renew_lease(self, node_rank: int) -> bool:
-        """Renew node ``node_rank``'s lease; returns whether the leader has evicted that node."""
-        self.kv.add(keys.lease(node_rank), 1)
-        return self.kv.check([keys.evicted(node_rank)])
+    def renew_lease(self, node_rank: int, renewals: int) -> bool:
+        """Record node ``node_rank``'s ``renewals``-th renewal of its lease; returns whether the leader has
+        evicted that node. The count only ever grows: an old lease value written again renews nothing."""
+        self._set(keys.lease(node_rank), {"renewals": renewals})
+        return self.is_evicted(node_rank)
 
-    def lease_count(self, node_rank: int) -> int:
-        """How often node ``node_rank`` has renewed its lease."""
-        return self.kv.add(keys.lease(node_rank), 0)
+    def lease_renewals(self, node_rank: int) -> int | None:
+        """How often node ``node_rank`` has renewed its lease; None before its first renewal (or when the
+        value there is not its agent's)."""
+        try:
+            lease = self._get_if_there(keys.lease(node_rank))
+        except MalformedValue:
+            return None
+        renewals = lease.get("renewals") if lease is not None else None
+        return renewals if type(renewals) is int else None
 
     def evict(self, node_rank: int) -> None:
         """Mark node ``node_rank`` lost: should it come back, it learns it must stop."""
-        self.kv.set(keys.evicted(node_rank), "1")
+        self._set(keys.evicted(node_rank), {"evicted": True})
 
     def is_evicted(self, node_rank: int) -> bool:
-        """Whether the leader declared node ``node_rank`` lost."""
-        return self.kv.check([keys.evicted(node_rank)])
+        """Whether the leader declared node ``node_rank`` lost (a mark the leader did not write counts for nothing)."""
+        try:
+            return self._get_if_there(keys.evicted(node_rank)) == {"evicted": True}
+        except MalformedValue:
+            return False
 
     # ------------------------------------------------------------ attempts
     def clear_worker_keys(self) -> None:
@@ -146,7 +174,7 @@ class JobStore:
 
     # ------------------------------------------------------------ plans
     def publish_plan(self, attempt: int, plan: Plan) -> None:
-        """Record ``plan`` as the current generation of ``attempt``."""
-        self.kv.set(keys.plan(attempt, plan.gen), json.dumps(plan.message()))
-        self.kv.set(keys.current_gen(attempt), str(plan.gen))
-
+        """Record ``plan`` as the current generation of ``attempt`` (for people and tools: workers get their
+        plans from their agent)."""
+        self._set(keys.plan(attempt, plan.gen), plan.message())
+        self._set(keys.current_gen(attempt), {"gen": plan.gen})

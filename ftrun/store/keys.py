@@ -4,17 +4,21 @@ Keys that outlive attempts sit under ``ftrun/``; each attempt's keys under ``ftr
 restart never reads a dead attempt's barrier or plans, pytorch#135712); the process groups of a generation
 under ``ftrun/a<attempt>/g<gen>/`` (a fresh prefix per generation, so no address of a dead group is read).
 
+Every value of ftrun's own (sealed: an HMAC of key and value under the run's secret, see
+:mod:`ftrun.store.auth`) is a JSON object; the counters and the workers' keys carry no seal.
+
 ====================================  =================================================================
-``ftrun/job``                         JSON: run id, nodes, world size, run directory (leader, at start)
-``ftrun/status/job``                  JSON: the job's live status (leader, about once a second)
-``ftrun/status/node/<n>``             JSON: node ``n``'s live status (its agent, same rhythm)
-``ftrun/mail/<box>/n``                counter of the messages posted to mailbox ``<box>``
-``ftrun/mail/<box>/<i>``              message ``i`` (1-based), a JSON object; deleted once read
-``ftrun/reply/<token>``               the answer to a command that carried ``reply_to = token``
-``ftrun/lease/<n>``                   counter node ``n``'s agent increments to renew its lease
-``ftrun/evicted/<n>``                 set by the leader once it declared node ``n`` lost
-``ftrun/a<a>/gen``                    the current generation of attempt ``a``
-``ftrun/a<a>/plan/<g>``               JSON: the plan of generation ``g``
+``ftrun/job``                         sealed: run id, nodes, world size, run directory (leader, at start)
+``ftrun/status/job``                  sealed: the job's live status (leader, about once a second)
+``ftrun/status/node/<n>``             sealed: node ``n``'s live status (its agent, same rhythm)
+``ftrun/mail/<box>/n``                counter of the commands posted to mailbox ``<box>`` (by any client)
+``ftrun/mail/<box>/<i>``              sealed: command ``i`` (1-based); deleted once read
+``ftrun/mail/<box>/<sender>/<i>``     sealed: message ``i`` (1-based) agent ``<sender>`` sent; deleted once read
+``ftrun/reply/<token>``               sealed: the answer to a command that carried ``reply_to = token``
+``ftrun/lease/<n>``                   sealed: how often node ``n``'s agent renewed its lease
+``ftrun/evicted/<n>``                 sealed: set by the leader once it declared node ``n`` lost
+``ftrun/a<a>/gen``                    sealed: the current generation of attempt ``a``
+``ftrun/a<a>/plan/<g>``               sealed: the plan of generation ``g``
 ``ftrun/a<a>/g<g>/arrived/<uid>``     worker ``uid`` reached generation ``g``'s barrier
 ``ftrun/a<a>/g<g>/probe/<uid>``       where worker ``uid`` listens for a link probe (HOST:PORT)
 ``ftrun/a<a>/g<g>/unreachable/<uid>`` JSON: the members worker ``uid`` could not connect to
@@ -45,16 +49,23 @@ def node_box(node_rank: int) -> str:
 
 LEADER_BOX = node_box(0)
 """Followers and the hostfile launcher write to node 0's mailbox: node 0's agent is the leader."""
+LAUNCHER = "launcher"
+"""The hostfile launcher's name as a sender of messages (agents send as their own box's name)."""
 
 
 def mail_count(box: str) -> str:
-    """The counter of messages posted to ``box``."""
+    """The counter of commands posted to ``box``."""
     return f"ftrun/mail/{box}/n"
 
 
 def mail_item(box: str, index: int) -> str:
-    """Message ``index`` (1-based) of ``box``."""
+    """Command ``index`` (1-based) of ``box``."""
     return f"ftrun/mail/{box}/{index}"
+
+
+def sent_item(box: str, sender: str, index: int) -> str:
+    """Message ``index`` (1-based) that ``sender`` (``node<n>`` or ``launcher``) sent to ``box``."""
+    return f"ftrun/mail/{box}/{sender}/{index}"
 
 
 def reply(token: str) -> str:
@@ -63,7 +74,7 @@ def reply(token: str) -> str:
 
 
 def lease(node_rank: int) -> str:
-    """The counter node ``node_rank`` increments to renew its lease."""
+    """How often node ``node_rank`` renewed its lease."""
     return f"ftrun/lease/{node_rank}"
 
 

@@ -1,7 +1,10 @@
 """Node leases: every follower renews one in the store; the leader declares a node lost when it stops.
 
-A follower that cannot renew for ``--node-timeout`` stops its own workers (fences itself), so a node cut off
-from the store never trains on alone; one the leader evicted learns so at its next renewal.
+A renewal is a sealed count that only grows, so neither a forged value nor an old one written again renews a
+lease. The leader declares a node lost once it has seen no renewal for ``--node-timeout``; a follower that
+cannot renew for :data:`FENCE_FRACTION` of that stops its own workers (fences itself) first, so a node cut
+off from the store never trains on alone, and has stopped before the others carry on without it. One the
+leader evicted learns so at its next renewal.
 """
 
 from __future__ import annotations
@@ -14,8 +17,16 @@ from ftrun.store.job import JobStore
 
 RENEWALS_PER_TIMEOUT = 5
 """A follower renews this many times per ``--node-timeout``."""
-STOP_WAIT = 10.0
-"""Seconds :meth:`stop` waits for the thread: longer than one store call on its connection."""
+FENCE_FRACTION = 0.75
+"""A follower fences after this fraction of ``--node-timeout`` without a renewal: the leader, which counts
+from when it saw the last renewal (later still), evicts it at the full timeout. The rest of the timeout is
+the margin in which the fenced node's agent notices (every ``--monitor-interval``) and kills its workers;
+``ftrun.config`` refuses a timeout that leaves no margin."""
+
+
+def fence_margin(node_timeout: float) -> float:
+    """Seconds between a cut-off follower's fencing and its eviction by the leader, at the latest."""
+    return node_timeout * (1 - FENCE_FRACTION)
 
 
 class LeaseKeeper:
@@ -24,6 +35,7 @@ class LeaseKeeper:
     def __init__(self, connect: Callable[[], JobStore], node_rank: int, timeout: float) -> None:
         self.node_rank = node_rank
         self.timeout = timeout
+        self.renewals = 0
         self.renewed = time.monotonic()
         self.evicted = False
         self._connect = connect
@@ -35,20 +47,18 @@ class LeaseKeeper:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop renewing (at the next renewal). and wait for the thread (bounded: a store call in flight has its
-        own timeout), so it is not inside torch's C++ code when the interpreter exits, which would abort the
-        process ("terminate called without an active exception").
-        """
+        """Stop renewing, and wait for a renewal under way to end (it gives up within its connection's timeout):
+        a thread still inside torch's store client when the interpreter exits aborts the process."""
         self._stop.set()
         if self._thread.is_alive():
-            self._thread.join(STOP_WAIT)
+            self._thread.join(self.timeout)
 
     def fence_reason(self, now: float) -> str | None:
         """Why this node must stop its workers at monotonic time ``now``, or None while its lease holds."""
         if self.evicted:
             return "the leader declared this node lost: stopping its workers"
         silent = now - self.renewed
-        if silent > self.timeout:
+        if silent > self.timeout * FENCE_FRACTION:
             return (f"could not renew this node's lease on the store for {silent:.1f} s (--node-timeout "
                     f"{self.timeout:g}): fencing, so that a cut-off node does not train on alone")
         return None
@@ -58,7 +68,8 @@ class LeaseKeeper:
         while not self._stop.wait(self.timeout / RENEWALS_PER_TIMEOUT):
             try:
                 store = store or self._connect()
-                self.evicted = store.renew_lease(self.node_rank)
+                self.evicted = store.renew_lease(self.node_rank, self.renewals + 1)
+                self.renewals += 1
                 self.renewed = time.monotonic()
             except RuntimeError:
                 store = None  # reconnect on the next renewal
@@ -83,8 +94,8 @@ class NodeLeases:
         self.next_check = now + min(0.5, self.timeout / RENEWALS_PER_TIMEOUT)
         lost = []
         for node, (count, when) in list(self.seen.items()):
-            current = self.store.lease_count(node)
-            if current != count:
+            current = self.store.lease_renewals(node)
+            if current is not None and current > count:
                 self.seen[node] = (current, now)
             elif now - when > self.timeout:
                 lost.append((node, now - when))

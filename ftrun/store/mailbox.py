@@ -1,8 +1,19 @@
-"""The reading end of a mailbox: a thread that hands each message posted to one box to an event loop.
+"""Mailboxes: an agent's one reading thread, and the numbered messages each agent sends.
 
-A mailbox has one reader (an agent) and any number of writers (``JobStore.post``: other agents, the
-hostfile launcher, ``ftrun inject``). Posting is two store calls (``add`` then ``set``); the reader checks
-for the next index every few milliseconds on a connection of its own.
+An agent's mailbox has one reader and two kinds of writers, each in its own lane of keys:
+
+- agents (and the hostfile launcher) number the messages they send to each box themselves
+  (:class:`Outbox`): no store counter is involved, so nothing written to the store can keep an agent from
+  sending;
+- clients (``ftrun inject``) post commands through the box's counter (``JobStore.post``: ``add`` takes
+  the next index, ``set`` writes the command there).
+
+Anyone who reaches the store can write to any key, before or after the writer it belongs to. So a value
+that is not a sealed message (or not a valid one) never moves the reader on by itself: it is counted in
+:attr:`MailReader.dropped`, and the reader waits for the writer of that index to overwrite it. An index is
+given up only :data:`OVERWRITE_GRACE` seconds after its writers were seen past it (the counter passed it,
+or the agent's next message waits behind it): its writer failed between taking it and writing it, or
+someone overwrote its message. Indices seen passed together are given up together.
 """
 
 from __future__ import annotations
@@ -10,32 +21,85 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+from ftrun.store import keys
 from ftrun.store.job import JobStore, MalformedValue
 
 POLL_INTERVAL = 0.01
-"""Seconds between two looks for a mailbox's next message: a store round trip each, cheap."""
+"""Seconds between two looks for a mailbox's next messages: a store round trip per lane each, cheap."""
 RECONNECT_INTERVAL = 1.0
 """Seconds between two attempts to reach a store that stopped answering."""
-STOP_WAIT = 10.0
-"""Seconds :meth:`stop` waits for the thread: longer than one store call on its connection."""
+RECHECK_INTERVAL = 0.05
+"""Seconds between two looks past an index that holds no valid message yet."""
+STOP_WAIT = 5.0
+"""Seconds :meth:`MailReader.stop` waits for the thread (its store calls return in milliseconds)."""
+OVERWRITE_GRACE = 5.0
+"""Seconds the writer of an index has to write it once the next index holds a valid message (a writer
+writes right after it numbers its message)."""
+
+Validator = Callable[[dict[str, Any]], "str | None"]
+"""Why a message is not one the reader accepts, or None when it is."""
+
+
+class Outbox:
+    """What one agent (or the hostfile launcher) sends to other agents' mailboxes, numbered per box from 1."""
+
+    def __init__(self, store: JobStore, sender: str) -> None:
+        self.store = store
+        self.sender = sender
+        self.sent: dict[str, int] = {}
+
+    def send(self, box: str, message: dict[str, Any]) -> None:
+        """Send ``message`` to ``box``. Its number is taken even if the store call fails: the reader then gives
+        it up once a later message arrives."""
+        index = self.sent[box] = self.sent.get(box, 0) + 1
+        self.store.send(box, self.sender, index, message)
+
+
+@dataclass
+class _Lane:
+    """One writer's (or the clients') sequence of keys in a box, and how far the reader got."""
+
+    key: Callable[[int], str]
+    passed: Callable[[JobStore, _Lane], int]  # the last index its writers are known to be past (0: none)
+    index: int = 1
+    refused: int = 0  # the last index whose value was refused (and counted)
+    passed_since: float | None = None  # when the writers were first seen past ``index``...
+    passed_upto: int = 0  # ... and every index up to this one
+    next_look: float = 0.0  # when to look past ``index`` again
+
+    def advance(self) -> None:
+        self.index += 1
+        self.next_look = 0.0
+        if self.index > self.passed_upto:
+            self.passed_since = None
 
 
 class MailReader:
-    """Waits for each next message of one box and queues it for an event loop.
+    """Reads one box, its commands and the messages of the agents in ``senders``, for an event loop.
 
     It uses a store connection of its own (so the loop's calls never queue behind it), writes a byte to
-    ``wake_fd`` so the loop can select on it, and :meth:`take` returns what arrived. A message that is not
-    a JSON object is dropped and counted in :attr:`dropped`, never handed on.
+    ``wake_fd`` so the loop can select on it, and :meth:`take` returns what arrived. A value that is not a
+    sealed JSON object, or that ``validate`` refuses, is dropped and counted in :attr:`dropped`, never handed
+    on. The reader only reads, checks and deletes keys: no value anyone writes can break its connection.
     """
 
-    def __init__(self, connect: Callable[[], JobStore], box: str, wake_fd: int) -> None:
+    def __init__(self, connect: Callable[[], JobStore], box: str, wake_fd: int,
+                 validate: Validator = lambda message: None, senders: tuple[str, ...] = ()) -> None:
         self.box = box
         self.wake_fd = wake_fd
         self.dropped = 0
+        self.last_dropped: str | None = None
+        """Why the last value dropped was refused."""
+        self._validate = validate
         self._connect = connect
+        self._lanes = [_Lane(lambda i: keys.mail_item(box, i), self._counter_passed)]
+        self._lanes += [_Lane(lambda i, sender=sender: keys.sent_item(box, sender, i), self._next_is_valid)
+                        for sender in senders]
         self._queue: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"ftrun-mail-{box}", daemon=True)
@@ -45,41 +109,82 @@ class MailReader:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop at the next wake-up; messages not yet read stay in the store. and wait for the thread (bounded: a store call in flight has its
-        own timeout), so it is not inside torch's C++ code when the interpreter exits, which would abort the
-        process ("terminate called without an active exception").
-        """
+        """Stop, and wait (a few seconds at most) for the thread to leave its store call: a thread still inside
+        torch's store client when the interpreter exits aborts the process (``terminate called without an
+        active exception``). Messages not yet read stay in the store."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(STOP_WAIT)
 
     def take(self) -> list[dict[str, Any]]:
-        """The messages that arrived since the last call, in order."""
+        """The messages that arrived since the last call, in order (per writer)."""
         messages = []
         while not self._queue.empty():
             messages.append(self._queue.get())
         return messages
 
     def _run(self) -> None:
-        store = None
-        index = 1
-        while not self._stop.wait(0 if store is not None else RECONNECT_INTERVAL):
+        retry = 0.0  # seconds before the next attempt to reach the store
+        while not self._stop.wait(retry):
             try:
-                store = store or self._connect()
-                while not store.has_mail(self.box, index):  # check, not wait: a wait that times out logs
-                    if self._stop.wait(POLL_INTERVAL):
-                        return
-                message = store.take_mail(self.box, index)
-            except MalformedValue:
-                self.dropped += 1
-                index += 1
-                continue
+                retry = RECONNECT_INTERVAL
+                store = self._connect()
+                retry = 0.0
+                while not self._stop.is_set():
+                    now = time.monotonic()
+                    if not any([self._pump(store, lane, now) for lane in self._lanes]):  # every lane, each pass
+                        self._stop.wait(POLL_INTERVAL)  # check, not wait: a store wait that times out logs
             except RuntimeError:  # the store went away: connect again
-                store = None
                 continue
-            index += 1
-            self._queue.put(message)
-            try:
-                os.write(self.wake_fd, b"m")
-            except BlockingIOError:
-                pass  # the loop has not read the earlier wake-ups yet: it will see this message too
+
+    def _pump(self, store: JobStore, lane: _Lane, now: float) -> bool:
+        """Hand on the message at ``lane``'s index, or give the index up; whether the lane moved on."""
+        key = lane.key(lane.index)
+        if store.has_mail(key):
+            message, problem = self._read(store, key)
+            if problem is None:
+                store.discard_mail(key)
+                lane.advance()
+                self._queue.put(message)
+                try:
+                    os.write(self.wake_fd, b"m")
+                except BlockingIOError:
+                    pass  # the loop has not read the earlier wake-ups yet: it will see this message too
+                return True
+            if lane.refused != lane.index:
+                lane.refused = lane.index
+                self.dropped += 1
+                self.last_dropped = problem
+        if now < lane.next_look:
+            return False
+        lane.next_look = now + RECHECK_INTERVAL
+        if lane.passed_since is None:
+            lane.passed_upto = lane.passed(store, lane)
+            if lane.passed_upto >= lane.index:
+                lane.passed_since = now
+        elif now - lane.passed_since >= OVERWRITE_GRACE:
+            store.discard_mail(key)
+            lane.advance()
+            return True
+        return False
+
+    def _counter_passed(self, store: JobStore, lane: _Lane) -> int:
+        """How many command indices clients took (the counter is read with ``get``: ``add`` on a counter that
+        holds no number makes the store drop the connection)."""
+        counter = keys.mail_count(self.box)
+        taken = store.kv.get(counter) if store.has_mail(counter) else b""
+        return int(taken) if taken.isdigit() and len(taken) < 20 else 0
+
+    def _next_is_valid(self, store: JobStore, lane: _Lane) -> int:
+        """``lane``'s index when the agent's next message waits behind it (an agent writes in order), else 0."""
+        behind = lane.key(lane.index + 1)
+        return lane.index if store.has_mail(behind) and self._read(store, behind)[1] is None else 0
+
+    def _read(self, store: JobStore, key: str) -> tuple[dict[str, Any], str | None]:
+        """The message at ``key``, and why it is refused (None when it is handed on)."""
+        try:
+            message = store.read_mail(key)
+        except MalformedValue as exc:
+            return {}, str(exc)
+        problem = self._validate(message)
+        return message, None if problem is None else f"{key}: {problem}"

@@ -45,10 +45,10 @@ def start_node(env: dict[str, str], node: int | None, port: int | None, *extra: 
                              "--steps", str(STEPS)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def test_two_nodes_under_slurm_train_exactly_as_one_node_of_four(launcher_env, tmp_path, baseline):
+def test_two_nodes_under_slurm_train_exactly_as_one_node_of_four(launcher_env, tmp_path, baseline, secret_file):
     """Slurm's variables give each node its rank, and node 0's name for the store (on torchrun's port 29400)."""
     env = {**launcher_env, "XDG_CACHE_HOME": str(tmp_path), "SLURM_JOB_ID": "7",
-           "SLURM_JOB_NODELIST": "localhost,127.0.0.1"}
+           "SLURM_JOB_NODELIST": "localhost,127.0.0.1", "FTRUN_SECRET_FILE": secret_file}
     nodes = [start_node({**env, "SLURM_NODEID": str(rank)}, None, None) for rank in (1, 0)]  # follower first
     outputs = [node.communicate(timeout=180) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs
@@ -190,6 +190,9 @@ def test_ctrl_c_stops_every_agent_and_worker_on_every_host(netns_hosts, ssh_keys
     (["-H", "a,a"], "duplicate host 'a'"),
     (["--hostfile", "/nonexistent"], "cannot read hostfile /nonexistent"),
     (["--node-timeout", "0"], "--node-timeout must be a positive number"),
+    (["--nnodes", "2", "--rdzv-endpoint", "localhost:1"], "the nodes of a job started one by one must share a secret"),
+    (["-H", "localhost:1,127.0.0.1:1", "--node-timeout", "0.5"], "--node-timeout 0.5 leaves a cut-off node 0.125 s"),
+    (["-H", "localhost:1,127.0.0.1:1", "--master-addr", "203.0.113.7"], "the store's host '203.0.113.7' (203"),
     (["-H", "nosuchhost.invalid:1"], "cannot reach host nosuchhost.invalid over ssh: ssh: Could not resolve"),
 ])
 def test_bad_multinode_flags_get_one_line(run_ftrun, args, message):

@@ -63,6 +63,20 @@ def test_runs_in_cwd_with_forwarded_env_and_args_unmangled(sshd, tmp_path):
     assert "UNRELATED" not in remote_env
 
 
+def test_forwarded_values_show_in_no_command_line(sshd):
+    """A token forwarded to the remote command is in its environment, and in no process's command line on
+    either side (the local ssh, the remote shell and supervisor, the command): other users can read those."""
+    token = f"hf_{os.urandom(16).hex()}"
+    proc = start("127.0.0.1", [sys.executable, "-c", PIDS, "sleep"], sshd.ssh_options, {"HF_TOKEN": token})
+    remote = [psutil.Process(int(pid)) for pid in proc.stdout.readline().split()]
+    command = next(process for process in remote if process.name().startswith("python"))
+    assert command.environ().get("HF_TOKEN") == token
+    for process in psutil.process_iter(["cmdline"]):
+        assert token not in " ".join(process.info["cmdline"] or []), process
+    proc.stdin.close()
+    proc.wait(timeout=30)
+
+
 def test_remote_exit_status_and_message(sshd, tmp_path):
     out, err, status = finish(start("127.0.0.1", ["sh", "-c", "echo disk full >&2; exit 3"], sshd.ssh_options))
     assert status == 3

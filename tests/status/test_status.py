@@ -113,8 +113,11 @@ def test_status_of_a_live_job_through_a_fault_and_after_it_ends(live_job, launch
     first = doc["step"]
     steps.reach(first + 10)
     code, doc = poll(capsys, steps, lambda d: d["step"] >= first + 10 and d["steps_per_s"],
-                     "--endpoint", entry.endpoint)
+                     "--endpoint", entry.endpoint, "--secret-file", str(Path(entry.run_dir, "secret")))
     assert code == 0 and all(w["step"] is not None and w["step"] > first for w in doc["workers"])
+    assert doc["dropped_messages"] == {"mail": 0, "channel": 0, "last": None}
+    assert (Path(entry.run_dir).stat().st_mode & 0o777, Path(entry.run_dir, "secret").stat().st_mode & 0o777) \
+        == (0o700, 0o600)
 
     os.kill(pids[2], signal.SIGKILL)
     code, doc = poll(capsys, steps, lambda d: d["recoveries"]["count"] == 1 and d["state"] == "running",
@@ -190,10 +193,50 @@ def test_no_such_job_is_one_line_and_exit_code_3(private_registry, launcher_env,
         assert code == 3 and err.startswith(f"ftrun: error: {message}") and err.count("\n") == 1, err
 
 
-def test_bad_flags_are_one_line_and_exit_code_2(private_registry, capsys):
-    for args in (("--endpoint", "nohost"), ("--json", "--watch"), ("--endpoint", "a:1", "--run-id", "x")):
+def test_bad_flags_are_one_line_and_exit_code_2(private_registry, tmp_path, capsys):
+    loose = tmp_path / "loose"
+    loose.write_text("x" * 64)
+    loose.chmod(0o644)
+    for args, message in ((("--endpoint", "nohost"), "expected HOST:PORT"),
+                          (("--json", "--watch"), "do not go together"),
+                          (("--endpoint", "a:1", "--run-id", "x"), "--endpoint names the job already"),
+                          (("--secret-file", str(loose)), "--secret-file goes with --endpoint")):
         code, err = failed(capsys, *args)
-        assert code == 2 and err.startswith("ftrun: error: ") and err.count("\n") == 1, err
+        assert code == 2 and err.startswith("ftrun: error: ") and err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.fast
+def test_a_store_read_without_the_runs_secret_is_one_line_and_exit_code_2(tmp_path, monkeypatch, capsys):
+    """A live store named by --endpoint needs the run's secret: none, one others can read, or another run's."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from ftrun.store.auth import Seal, new_secret, write_secret_file
+    from ftrun.store.job import JobStore
+
+    monkeypatch.delenv("FTRUN_SECRET_FILE", raising=False)
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    JobStore(server, Seal(new_secret())).write_job_status({"nnodes": 1})
+    loose, other = tmp_path / "loose", tmp_path / "other"
+    write_secret_file(loose, new_secret())
+    loose.chmod(0o644)
+    write_secret_file(other, new_secret())
+    endpoint = f"127.0.0.1:{server.port}"
+    for args, message in (((), f"the job at {endpoint} signs its store with its secret: pass --secret-file"),
+                          (("--secret-file", str(loose)), "other users may read it (mode 644): chmod 600 it"),
+                          (("--secret-file", str(other)), "does not sign its status with this secret")):
+        code, err = failed(capsys, "--endpoint", endpoint, *args)
+        assert code == 2 and err.startswith("ftrun: error: ") and err.count("\n") == 1 and message in err, err
+
+
+def test_with_two_jobs_running_status_lists_them_and_acts_on_neither(live_job, workload, tmp_path, capsys):
+    jobs = [live_job("--nproc-per-node", "1", workload("wait_forever.py"), tmp_path)[1] for _ in range(2)]
+    code, err = failed(capsys)
+    assert code == 2 and err.count("\n") == 1 and "2 ftrun jobs are running: " in err, err
+    assert all(job.run_id in err for job in jobs) and "name one with --run-id RUN_ID" in err
+    code, doc = status_json(capsys, "--run-id", jobs[1].run_id)
+    assert doc["run_id"] == jobs[1].run_id
 
 
 @pytest.mark.fast

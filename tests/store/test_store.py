@@ -1,4 +1,4 @@
-"""The store package over a real TCPStore: records, mailboxes, leases, plans; and reaching a running job."""
+"""The store package over a real TCPStore: sealed records, mailboxes, leases, plans; reaching a running job."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import json
 import os
 import select
 import signal
+import time
 from datetime import timedelta
 
 import pytest
@@ -14,19 +15,31 @@ from ftrun import registry
 from ftrun.errors import NoSuchJob, UsageError
 from ftrun.protocol import Plan
 from ftrun.store import keys
+from ftrun.store.auth import Seal, new_secret
 from ftrun.store.client import STORE_START_WAIT, connect, open_client, parse_endpoint
 from ftrun.store.job import JobStore, MalformedValue
-from ftrun.store.leases import LeaseKeeper, NodeLeases
-from ftrun.store.mailbox import MailReader
+from ftrun.store.leases import FENCE_FRACTION, LeaseKeeper, NodeLeases
+from ftrun.store.mailbox import MailReader, Outbox
+
+SECRET = new_secret()
+
+
+def until(condition, timeout: float = 10.0) -> None:
+    """Wait for another thread to make ``condition()`` true (a bounded wait on its state, not a timing)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the condition did not hold within 10 s"
+        time.sleep(0.01)
 
 
 @pytest.fixture
 def served():
-    """A TCPStore served in this process; returns a function making client JobStores on it."""
+    """A TCPStore served in this process; returns a function making client JobStores on it (with SECRET, or
+    the secret given)."""
     from torch.distributed import TCPStore
 
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-    return lambda: JobStore(open_client("127.0.0.1", server.port, 5))
+    return lambda secret=SECRET: JobStore(open_client("127.0.0.1", server.port, 30), Seal(secret))
 
 
 @pytest.mark.fast
@@ -42,7 +55,7 @@ def test_records_round_trip_and_a_missing_record_is_none(served):
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("raw", [b"not json", b"[1, 2]", b"\xff\xfe", b"42"])
+@pytest.mark.parametrize("raw", [b"not json", b"[1, 2]", b"\xff\xfe", b"42", b'{"run_id": "r"}', b"", b"0" * 64])
 def test_a_value_ftrun_did_not_write_is_refused_not_crashed_on(served, raw):
     store = served()
     store.kv.set(keys.JOB, raw)
@@ -51,28 +64,124 @@ def test_a_value_ftrun_did_not_write_is_refused_not_crashed_on(served, raw):
 
 
 @pytest.mark.fast
-def test_the_mail_reader_hands_on_messages_in_order_and_drops_malformed_ones(served):
+@pytest.mark.parametrize("payload", [b"not json", b"[1, 2]", b"\xff\xfe", b"[" * 100_000])
+def test_a_sealed_value_that_is_not_a_json_object_is_refused(served, payload):
     store = served()
+    store.kv.set(keys.JOB, store.seal.seal(keys.JOB, payload))
+    with pytest.raises(MalformedValue, match="not"):
+        store.read_job(1.0)
+
+
+@pytest.mark.fast
+def test_a_value_sealed_with_another_secret_or_for_another_key_is_refused(served):
+    store, stranger = served(), served(new_secret())
+    stranger.write_job({"run_id": "forged"})
+    with pytest.raises(MalformedValue, match="not signed with this run's secret"):
+        store.read_job(1.0)
+    store.write_status(1, {"workers": []})
+    store.kv.set(keys.status_node(2), store.kv.get(keys.status_node(1)))  # node 1's record, copied to node 2
+    assert store.read_node_status(1) == {"workers": []}
+    with pytest.raises(MalformedValue):
+        store.read_node_status(2)
+
+
+@pytest.fixture
+def reading(served, monkeypatch):
+    """Start a MailReader on box node3, reading commands and what node1 sends (grace: 0.2 s); returns a function
+    that waits for ``n`` messages and returns them, and the reader."""
+    from ftrun.store import mailbox
+
+    monkeypatch.setattr(mailbox, "OVERWRITE_GRACE", 0.2)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
-    reader = MailReader(served, "node3", wake_w)
-    reader.start()
-    try:
-        store.post("node3", {"t": "a"})
-        index = store.kv.add(keys.mail_count("node3"), 1)  # a writer that is not ftrun's
-        store.kv.set(keys.mail_item("node3", index), b"{broken")
-        store.post("node3", {"t": "b"})
+    reader = MailReader(served, "node3", wake_w, lambda m: None if m.get("t") != "bad" else "a bad kind", ("node1",))
+
+    def receive(n: int) -> list[dict]:
         received: list[dict] = []
-        while len(received) < 2:
+        while len(received) < n:
             assert select.select([wake_r], [], [], 10)[0], "no wake-up within 10 s"
             os.read(wake_r, 64)
             received += reader.take()
-        assert received == [{"t": "a"}, {"t": "b"}] and reader.dropped == 1
-        assert not store.kv.check([keys.mail_item("node3", 1)])  # read messages are deleted
-    finally:
-        reader.stop()
-        os.close(wake_r)
-        os.close(wake_w)
+        return received
+
+    reader.start()
+    yield receive, reader
+    reader.stop()
+    os.close(wake_r)
+    os.close(wake_w)
+
+
+@pytest.mark.fast
+def test_the_mail_reader_hands_on_commands_in_order_and_drops_what_is_not_a_valid_message(served, reading):
+    receive, reader = reading
+    store, stranger = served(), served(new_secret())
+    store.post("node3", {"t": "a"})
+    index = store.kv.add(keys.mail_count("node3"), 1)  # a writer that is not ftrun's: takes an index, writes junk
+    store.kv.set(keys.mail_item("node3", index), b"{broken")
+    stranger.post("node3", {"t": "forged"})  # signed with another run's secret
+    store.post("node3", {"t": "bad"})  # sealed, but the validator refuses it
+    store.post("node3", {"t": "b"})
+    assert receive(2) == [{"t": "a"}, {"t": "b"}]
+    assert reader.dropped == 3 and "a bad kind" in reader.last_dropped
+    assert not store.kv.check([keys.mail_item("node3", i) for i in range(1, 6)])  # read ones are deleted
+
+
+@pytest.mark.fast
+def test_junk_written_ahead_of_an_agent_does_not_cost_its_messages(served, reading):
+    """Junk at the index an agent will send next is not read as its message and does not move the reader on:
+    the agent's message replaces it and is handed on. A message sealed for another index is junk too."""
+    receive, reader = reading
+    store = served()
+    outbox = Outbox(store, "node1")
+    store.kv.set(keys.sent_item("node3", "node1", 1), b"junk written first")
+    replay = store.seal.seal(keys.sent_item("node3", "node1", 1), b'{"t": "moved"}')
+    store.kv.set(keys.sent_item("node3", "node1", 2), replay)
+    until(lambda: reader.dropped == 1)
+    assert select.select([], [], [], 0.5) == ([], [], [])  # well past the grace: no valid message behind it
+    outbox.send("node3", {"t": "first"})
+    assert receive(1) == [{"t": "first"}]
+    until(lambda: reader.dropped == 2)
+    outbox.send("node3", {"t": "second"})
+    assert receive(1) == [{"t": "second"}] and reader.dropped == 2
+
+
+@pytest.mark.fast
+def test_an_index_never_written_is_given_up_once_a_later_message_waits(served, reading):
+    receive, reader = reading
+    store = served()
+    outbox = Outbox(store, "node1")
+    outbox.sent["node3"] = 1  # message 1 was numbered, and its write failed
+    outbox.send("node3", {"t": "after a lost one"})
+    index = store.kv.add(keys.mail_count("node3"), 1)  # a client that took an index and died
+    store.post("node3", {"t": "a command after it"})
+    assert sorted(m["t"] for m in receive(2)) == ["a command after it", "after a lost one"]
+    assert reader.dropped == 0 and index == 1
+
+
+@pytest.mark.fast
+def test_a_message_replayed_at_a_later_index_is_refused(served, reading):
+    receive, reader = reading
+    store = served()
+    store.post("node3", {"t": "stop", "reason": "once"})
+    assert receive(1) == [{"t": "stop", "reason": "once"}]
+    index = store.kv.add(keys.mail_count("node3"), 1)
+    sealed = store.seal.seal(keys.mail_item("node3", 1), b'{"t": "stop", "reason": "once"}')
+    store.kv.set(keys.mail_item("node3", index), sealed)  # the same bytes, at index 2
+    store.post("node3", {"t": "after"})
+    assert receive(1) == [{"t": "after"}] and reader.dropped == 1  # index 2 given up once its grace passed
+
+
+@pytest.mark.fast
+def test_junk_in_a_mailbox_counter_stops_no_agent_message(served, reading):
+    """The counter is the clients' only: a value there that is no number makes the store refuse their
+    commands (a denial the seal cannot prevent), but agents number their own messages."""
+    receive, _ = reading
+    store, client = served(), served()
+    store.kv.set(keys.mail_count("node3"), b"not a number")
+    Outbox(store, "node1").send("node3", {"t": "still here"})
+    assert receive(1) == [{"t": "still here"}]
+    with pytest.raises(RuntimeError):
+        client.post("node3", {"cmd": "ping"})
 
 
 @pytest.mark.fast
@@ -80,10 +189,27 @@ def test_a_command_without_an_answer_is_one_clear_error(served):
     store = served()
     with pytest.raises(UsageError, match="did not answer within 1 s"):
         store.request("node0", {"cmd": "ping"}, timeout=1.0)
-    (posted,) = [store.take_mail("node0", 1)]
+    posted = store.read_mail(keys.mail_item("node0", 1))
     store.reply(posted, {"ok": True})  # answered late: the reply key is written, the asker is gone
     assert store.kv.check([keys.reply(posted["reply_to"])])
     store.reply({"reply_to": 7}, {"ok": True})  # not a token ftrun wrote: nothing happens
+
+
+@pytest.mark.fast
+def test_a_forged_answer_is_not_taken_for_the_jobs(served):
+    import threading
+
+    store, watcher, stranger = served(), served(), served(new_secret())
+
+    def forge() -> None:  # answers as soon as the command is posted, with another secret
+        watcher.kv.wait([keys.mail_item("node0", 1)], timedelta(seconds=10))
+        stranger.reply(watcher.read_mail(keys.mail_item("node0", 1)), {"ok": True, "forged": True})
+
+    thread = threading.Thread(target=forge)
+    thread.start()
+    with pytest.raises(UsageError, match="not understood .*not signed with this run's secret"):
+        store.request("node0", {"cmd": "ping"}, timeout=10.0)
+    thread.join()
 
 
 @pytest.mark.fast
@@ -91,22 +217,40 @@ def test_leases_expire_by_the_clock_given_and_an_evicted_node_learns_it(served):
     store = served()
     leases = NodeLeases(store, [1, 2], timeout=10.0, now=0.0)
     assert leases.expired(0.0) == []
-    store.renew_lease(1)
+    store.renew_lease(1, 1)
     assert leases.expired(NodeLeases.START_GRACE - 5) == []  # both within the start grace; node 1 seen renewing
     lost = leases.expired(NodeLeases.START_GRACE + 1)
     assert lost == [(2, NodeLeases.START_GRACE + 1 - (NodeLeases.START_GRACE - 10))]
-    assert store.is_evicted(2) and not store.is_evicted(1) and store.renew_lease(2) is True
+    assert store.is_evicted(2) and not store.is_evicted(1) and store.renew_lease(2, 1) is True
     assert [node for node, _ in leases.expired(NodeLeases.START_GRACE + 16)] == [1]  # no renewal since -5
 
 
 @pytest.mark.fast
-def test_a_lease_keeper_that_cannot_reach_the_store_fences_after_its_timeout():
+def test_a_forged_or_replayed_lease_renews_nothing_and_a_forged_eviction_evicts_nobody(served):
+    store, stranger = served(), served(new_secret())
+    leases = NodeLeases(store, [1], timeout=10.0, now=0.0)
+    store.renew_lease(1, 1)
+    old = store.kv.get(keys.lease(1))
+    store.renew_lease(1, 2)
+    assert leases.expired(0.0) == [] and leases.seen[1] == (2, 0.0)
+    store.kv.set(keys.lease(1), old)  # renewal 1 again, at 5 s
+    assert leases.expired(5.0) == [] and leases.seen[1] == (2, 0.0)
+    stranger.renew_lease(1, 99)  # with another secret
+    store.kv.add(keys.lease(2), 1)  # junk in another node's lease
+    assert leases.expired(11.0) == [(1, 11.0)]
+    stranger.evict(3)
+    store.kv.set(keys.evicted(4), "1")
+    assert not store.is_evicted(3) and not store.is_evicted(4) and store.renew_lease(3, 1) is False
+
+
+@pytest.mark.fast
+def test_a_lease_keeper_that_cannot_reach_the_store_fences_before_the_leader_would_evict_it():
     def unreachable() -> JobStore:
         raise RuntimeError("connection refused")
 
-    keeper = LeaseKeeper(unreachable, 1, timeout=5.0)
-    assert keeper.fence_reason(keeper.renewed + 4.9) is None
-    assert "could not renew" in keeper.fence_reason(keeper.renewed + 5.1)
+    keeper = LeaseKeeper(unreachable, 1, timeout=4.0)
+    assert keeper.fence_reason(keeper.renewed + 4 * FENCE_FRACTION - 0.01) is None
+    assert "could not renew" in keeper.fence_reason(keeper.renewed + 4 * FENCE_FRACTION + 0.01)
     keeper.evicted = True
     assert "declared this node lost" in keeper.fence_reason(keeper.renewed)
 
@@ -115,8 +259,8 @@ def test_a_lease_keeper_that_cannot_reach_the_store_fences_after_its_timeout():
 def test_a_plan_is_published_under_its_attempt(served):
     store = served()
     store.publish_plan(2, Plan(5, [0, 3, 1], "lost rank 1", lost=[2]))
-    assert store.kv.get(keys.current_gen(2)) == b"5"
-    assert json.loads(store.kv.get(keys.plan(2, 5)))["members"] == [0, 3, 1]
+    assert store._get(keys.current_gen(2)) == {"gen": 5}
+    assert store._get(keys.plan(2, 5))["members"] == [0, 3, 1]
 
 
 @pytest.mark.fast
@@ -129,9 +273,10 @@ def test_a_malformed_endpoint_is_one_clear_error(endpoint):
 def test_a_running_job_is_registered_answers_ping_and_is_unregistered_at_exit(live_job, workload, tmp_path):
     proc, entry = live_job("--nproc-per-node", "2", workload("wait_forever.py"), tmp_path)
     assert registry.running() == [entry] and registry.find(entry.run_id) == registry.find(entry.rdzv_id) == [entry]
-    store = JobStore(connect(entry.endpoint, connect_timeout=STORE_START_WAIT))  # registered before it is served
+    store = JobStore(connect(entry.endpoint, connect_timeout=STORE_START_WAIT), Seal(entry.secret))  # registered before it is served
     answer = store.request(keys.node_box(0), {"cmd": "ping"})
     assert answer["ok"] and answer["node_rank"] == 0 and sorted(answer["ranks"]) == ["0", "1"]
+    assert answer["run"] == entry.run_id
     unknown = store.request(keys.node_box(0), {"cmd": "frobnicate"})
     assert not unknown["ok"] and "frobnicate" in unknown["error"]
     proc.send_signal(signal.SIGTERM)

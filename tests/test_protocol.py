@@ -1,0 +1,85 @@
+"""Message shapes are checked where messages enter a process: every kind with its fields, nothing else."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+
+from ftrun import protocol
+from ftrun.protocol import Plan, mail_problem, worker_message_problem
+
+pytestmark = pytest.mark.fast
+
+FAILURE = {"rank": 1, "local_rank": 1, "pid": 42, "exitcode": -9, "when": 1.5, "message": "", "traceback": ""}
+PLAN_LINE = json.dumps(Plan(3, [0, 2], "lost rank 1", lost=[1]).message())
+VALID_MAIL = [
+    {"t": protocol.WORKER_STARTED, "uid": 100000, "pid": 7, "local_rank": 0, "rank": 2, "joiner": False},
+    {"t": protocol.WORKER_STARTED, "uid": 100002, "pid": 7, "local_rank": 2, "rank": None, "joiner": True},
+    {"t": protocol.WORKER_MESSAGE, "uid": 100000, "msg": {"t": protocol.ENTERED, "step": 3}},
+    {"t": protocol.WORKER_EXITED, "uid": 100000, "code": 0},
+    {"t": protocol.WORKER_EXITED, "uid": 100000, "code": -9, "failure": FAILURE},
+    {"t": protocol.NODE_GONE, "node": 1, "reason": "ssh ended", "since": 12.5},
+    {"t": protocol.RELAY, "uid": 100000, "data": PLAN_LINE + "\n" + protocol.encode(protocol.SAVE).decode()},
+    {"t": protocol.SIGNAL, "uid": 100000, "sig": int(signal.SIGKILL)},
+    {"t": protocol.START_WORKER, "uid": 100001, "local_rank": 1, "rank": 3},
+    {"t": protocol.STOP, "reason": "the leader stopped"},
+    {"cmd": protocol.PING, "reply_to": "abc"},
+    {"cmd": protocol.INJECT, "kind": "kill", "rank": 0},
+    {"cmd": "frobnicate"},  # another version's command: the agent answers that it does not know it
+]
+
+
+@pytest.mark.parametrize("message", VALID_MAIL, ids=lambda m: m.get("t") or m["cmd"])
+def test_every_message_ftrun_posts_is_accepted(message):
+    assert mail_problem(message) is None
+
+
+@pytest.mark.parametrize("message, why", [
+    ({"t": "x"}, "unknown kind 'x'"),
+    ({}, "unknown kind 'None'"),
+    ([1, 2], "not a JSON object"),
+    ("text", "not a JSON object"),
+    ({"t": ["stop"]}, "unknown kind"),
+    ({"t": protocol.STOP}, "stop: no field 'reason'"),
+    ({"t": protocol.STOP, "reason": 7}, "field 'reason' has a wrong type"),
+    ({"t": protocol.SIGNAL, "uid": 1, "sig": 99999}, "field 'sig'"),
+    ({"t": protocol.SIGNAL, "uid": True, "sig": 9}, "field 'uid'"),
+    ({"t": protocol.WORKER_EXITED, "uid": 1, "code": 1}, "no valid 'failure'"),
+    ({"t": protocol.WORKER_EXITED, "uid": 1, "code": 1, "failure": {**FAILURE, "extra": 1}}, "no valid 'failure'"),
+    ({"t": protocol.WORKER_EXITED, "uid": 1, "code": 1, "failure": {**FAILURE, "when": float("nan")}}, "failure"),
+    ({"t": protocol.NODE_GONE, "node": 1, "reason": "", "since": float("inf")}, "field 'since'"),
+    ({"t": protocol.WORKER_MESSAGE, "uid": 1, "msg": {"t": protocol.PROGRESS, "gen": 0}}, "field 'msg'"),
+    ({"t": protocol.RELAY, "uid": 1, "data": "not json"}, "field 'data'"),
+    ({"t": protocol.RELAY, "uid": 1, "data": json.dumps({"t": protocol.PLAN, "gen": 1})}, "field 'data'"),
+    ({"t": protocol.RELAY, "uid": 1, "data": json.dumps({**json.loads(PLAN_LINE), "members": [0, 0]})}, "'data'"),
+    ({"t": protocol.RELAY, "uid": 1, "data": "[" * 100_000}, "field 'data'"),
+    ({"t": protocol.START_WORKER, "uid": 1, "local_rank": "0", "rank": 1}, "field 'local_rank'"),
+    ({"cmd": ["ping"]}, "cmd or reply_to is not a string"),
+    ({"cmd": protocol.PING, "reply_to": 7}, "cmd or reply_to is not a string"),
+    ({"cmd": protocol.INJECT, "kind": "kill"}, "inject: no field 'rank'"),
+])
+def test_a_malformed_message_is_named_not_raised(message, why):
+    assert why in mail_problem(message)
+
+
+@pytest.mark.parametrize("message, why", [
+    ({"t": protocol.HELLO, "uid": 1, "pid": 2, "spare": False}, None),
+    ({"t": protocol.PROGRESS, "gen": 0, "step": 1, "time": 2.0, "step_time": 0.1}, None),
+    ({"t": protocol.FINISHED, "step": 5}, None),
+    ({"t": protocol.RECOVERED, "gen": 1, "step": 4, "plan_received": 3.0, "received_state": True,
+      "timings": {"abort": 0.1, "rendezvous": 0.2, "agree": 0.0, "transfer": 0.3}}, None),
+    ({"t": protocol.RECOVERED, "gen": 1, "step": 4, "plan_received": 3.0, "timings": {"abort": 0.1}}, "'timings'"),
+    ({"t": protocol.PROGRESS, "gen": 0, "step": 1, "time": float("nan"), "step_time": 0.1}, "field 'time'"),
+    ({"t": protocol.ENTERED}, "no field 'step'"),
+    ({"t": protocol.STOP, "reason": "x"}, "unknown kind 'stop'"),  # a mailbox kind is no worker's
+])
+def test_worker_messages_are_checked_too(message, why):
+    problem = worker_message_problem(message)
+    assert problem is None if why is None else why in problem
+
+
+def test_a_plan_is_read_back_from_its_own_fields_only():
+    message = {**Plan(2, [5, 1], "why", lost=[3], joiners=[1]).message(), "newer_field": True}
+    assert Plan.from_message(message) == Plan(2, [5, 1], "why", lost=[3], joiners=[1])
