@@ -127,6 +127,8 @@ DESCRIPTIONS: dict[str, Callable[[dict[str, Any]], str]] = {
                            f"{e.get('steps_lost')} steps lost"),
     "recovery_refused": lambda e: f"no in-place recovery: {e.get('reason')}",
     "recovery_failed": lambda e: f"in-place recovery failed: {e.get('reason')}",
+    "link_fault": lambda e: f"gen {e.get('gen')}: {e.get('action')}" + (f" ranks {e['ranks']}" if e.get("ranks")
+                                                                         else "") + f" ({e.get('reason')})",
     "joiner_lost": lambda e: f"joiner {e.get('uid')} lost before it was placed: {e.get('how')}",
     "rescue": lambda e: f"state saved for the group restart (best step {_or_none(e.get('best_step'))})",
     "group_failure": lambda e: str(e.get("reason")),
