@@ -127,6 +127,9 @@ def run(
     xid_policy: Optional[str] = typer.Option(
         None, "--xid-policy", metavar="FILE",
         help="TOML or JSON file of Xid overrides: a table xid of code = action, e.g. 13 = \"evict_gpu\"."),
+    resume_from: Optional[str] = typer.Option(
+        None, "--resume-from", metavar="RUN_DIR",
+        help="Start from the state an earlier launch saved as it was stopped (its run directory)."),
 ) -> None:
     """Launch SCRIPT on this node as torchrun would, recovering in place from worker faults."""
     config = build_config(
@@ -138,7 +141,7 @@ def run(
         local_ranks_filter=local_ranks_filter, local_addr=local_addr, signals_to_handle=signals_to_handle,
         shutdown_timeout=shutdown_timeout, log_line_prefix_template=log_line_prefix_template,
         virtual_local_rank=virtual_local_rank, hostfile=hostfile, host_list=hosts, node_timeout=node_timeout,
-        unsupported={"--logs-specs": logs_specs, "--numa-binding": numa_binding,
+        resume_from=resume_from, unsupported={"--logs-specs": logs_specs, "--numa-binding": numa_binding,
                      "--duplicate-stdout-filters": duplicate_stdout_filters,
                      "--duplicate-stderr-filters": duplicate_stderr_filters,
                      f"--event-log-handler {event_log_handler}": event_log_handler != "null"},

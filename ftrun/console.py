@@ -22,15 +22,30 @@ class Console:
         """Print one worker line with its prefix."""
         console = self.out if stream == STDOUT else self.err
         if console.is_terminal:
-            console.print(Text(prefix, style=colour) + Text(" " + text))
+            _print(console, Text(prefix, style=colour) + Text(" " + text))
         else:
-            console.file.write(f"{prefix} {text}\n")
-            console.file.flush()
+            _write(console, f"{prefix} {text}\n")
 
     def notice(self, text: str, style: str = "bold") -> None:
         """Print one line of ftrun's own on stderr (bold when a terminal)."""
         if self.err.is_terminal:
-            self.err.print(Text(text, style=style))
+            _print(self.err, Text(text, style=style))
         else:
-            self.err.file.write(text + "\n")
-            self.err.file.flush()
+            _write(self.err, text + "\n")
+
+
+# A console that cannot be written (a scheduler's output file on a full disk, a closed pipe) loses the line:
+# the job goes on, and its event log keeps the record.
+def _print(console: RichConsole, text: Text) -> None:
+    try:
+        console.print(text)
+    except OSError:
+        pass
+
+
+def _write(console: RichConsole, text: str) -> None:
+    try:
+        console.file.write(text)
+        console.file.flush()
+    except OSError:
+        pass

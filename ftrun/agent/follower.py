@@ -61,6 +61,11 @@ class Follower:
         """A follower never restarts its group on its own."""
         return False
 
+    @property
+    def saved_step(self) -> int:
+        """A follower's workers save for a group restart only at the leader's word: the leader knows."""
+        return -1
+
     def adopted(self, uid: int) -> bool:
         """Whether worker ``uid`` joined through the worker API."""
         return uid in self.joined
@@ -134,7 +139,8 @@ class Follower:
         """Hangs of this node's workers, the lease, and a stop asked by the leader: the reason to stop, or None."""
         if self.control.stopping():
             return None
-        self.watchdog.kill_due()
+        for worker, waited in self.watchdog.kill_due():
+            self.control.abandon(worker, waited)
         self.watchdog.check([w.uid for w in self.local.live()])
         fence = self.lease.fence_reason(now)
         if fence is not None:

@@ -118,7 +118,7 @@ class StatusPublisher:
             rdzv_id=self.run.rdzv_id, run_id=self.run.run_id, run_dir=self.run.run_dir, nnodes=self.run.nnodes,
             world_size_initial=self.run.world_size, world_size=coordination.plan.world_size,
             generation=coordination.plan.gen, recovering=coordination.recovering,
-            restarting=coordination.restarting, step=step, steps_per_s=self._rate(now, step), time=now)
+            restarting=coordination.restarting, step=step, steps_per_s=self._rate(time.monotonic(), step), time=now)
         return summary
 
     def _worker(self, worker: Worker, gpu: dict[str, Any] | None) -> dict[str, Any]:
@@ -151,7 +151,8 @@ class StatusPublisher:
             return None, None
 
     def _rate(self, now: float, step: int | None) -> float | None:
-        """Committed steps per second over the last RATE_WINDOW seconds."""
+        """Committed steps per second over the last RATE_WINDOW seconds (``now``: monotonic, so that a step of
+        the wall clock is no burst or stall of training)."""
         if step is None:
             self.rates.clear()
             return None

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import socket
+import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from ftrun.errors import NoSuchJob, UsageError
 
@@ -42,13 +44,48 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
 
 
 def connect(endpoint: str, timeout: float = 5.0) -> TCPStore:
-    """A client connection to the store of the job at HOST:PORT; NoSuchJob (one line) when it is not there."""
+    """A client connection to the store of the job at HOST:PORT; NoSuchJob (one line) when it is not there,
+    or when what listens there does not answer as a store within ``timeout`` seconds."""
     host, port = parse_endpoint(endpoint)
     try:  # a plain connect first: a refused or unreachable endpoint is one line, at once
         socket.create_connection((host, port), timeout=timeout).close()
     except OSError as exc:
         raise NoSuchJob(f"cannot reach a job at {host}:{port}: {exc.strerror or exc}") from None
+    import torch.distributed  # noqa: F401 -- before the deadline starts: importing torch takes seconds
+
     try:
-        return open_client(host, port, timeout)
+        return _within(timeout, lambda: open_client(host, port, timeout))
+    except TimeoutError:
+        raise NoSuchJob(f"cannot reach a job at {host}:{port}: no answer within {timeout:g} s "
+                        "(is that a job's store port?)") from None
     except RuntimeError as exc:
         raise NoSuchJob(f"cannot reach a job at {host}:{port}: {str(exc).splitlines()[0]}") from None
+
+
+T = TypeVar("T")
+
+
+def _within(seconds: float, call: Callable[[], T]) -> T:
+    """``call()``'s result, or TimeoutError after ``seconds``.
+
+    torch's TCPStore client waits without a deadline for a server that accepts the connection but never
+    answers its handshake (a listener of another kind, a hung process), and its constructor cannot be
+    interrupted: it runs on a daemon thread, left behind at the deadline.
+    """
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, call()))
+        except BaseException as exc:  # noqa: BLE001 -- raised again in the caller's thread
+            outcome.append((False, exc))
+
+    thread = threading.Thread(target=run, name="ftrun-connect", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if not outcome:
+        raise TimeoutError(f"no answer within {seconds:g} s")
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value

@@ -16,7 +16,6 @@ import os
 import socket
 import sys
 import threading
-import time
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -25,10 +24,7 @@ import torch.distributed as dist
 
 from ftrun.protocol import Plan
 from ftrun.store import keys
-
-
-class Superseded(Exception):
-    """A newer generation arrived while this one was being formed or used."""
+from ftrun.worker.interruptible import InterruptibleStore, StoreTimeout, Superseded
 
 
 def _abandon(group: dist.ProcessGroup) -> None:
@@ -76,12 +72,12 @@ class Communicator:
     def form(self, plan: Plan, superseded: Callable[[], bool]) -> None:
         """Form ``plan``'s group; raises :class:`Superseded` if a newer plan comes during the barrier."""
         self.store.set(keys.arrived(self.attempt, plan.gen, self.uid), "1")
-        self._wait_keys([keys.arrived(self.attempt, plan.gen, uid) for uid in plan.members], superseded)
+        self._wait_members(plan, superseded)
         if dist.is_initialized():
             self.abort()
             _abandon(dist.group.WORLD)
             dist.destroy_process_group()
-        self._init(f"g{plan.gen}", plan.rank_of(self.uid), plan.world_size)
+        self._init(f"g{plan.gen}", plan.rank_of(self.uid), plan.world_size, superseded)
 
     def abort(self) -> None:
         """Make every collective in flight on the current group fail now, here and on its peers.
@@ -100,17 +96,29 @@ class Communicator:
             fds, self._group_fds = self._group_fds, set()
         _shut_down(fds)
 
-    def _init(self, name: str, rank: int | None, world_size: int) -> None:
+    def _init(self, name: str, rank: int | None, world_size: int, superseded: Callable[[], bool] = lambda: False) -> None:
         before, hook = _tcp_fds(), sys.excepthook
-        dist.init_process_group(self.backend, store=dist.PrefixStore(keys.group_prefix(self.attempt, name), self.store),
-                                rank=rank, world_size=world_size, timeout=self.timeout)
+        store = dist.PrefixStore(keys.group_prefix(self.attempt, name), self.store)
+        if "nccl" not in self.backend:  # NCCL reads the store in its first collective, not here
+            store = InterruptibleStore(store, superseded)  # a newer plan ends the group's rendezvous
+        try:
+            dist.init_process_group(self.backend, store=store, rank=rank, world_size=world_size, timeout=self.timeout)
+        except Exception:
+            if superseded():  # torch may hand back the store's Superseded as its own error
+                raise Superseded(name) from None
+            raise
         sys.excepthook = hook  # torch's would stack a "[rankN]:" prefix per group; the agent prefixes lines
         with self._lock:
             self._group_fds = _tcp_fds() - before
 
-    def _wait_keys(self, keys: list[str], superseded: Callable[[], bool]) -> None:
-        """Wait for every key, checking for a newer plan between short polls (store waits cannot be cut)."""
-        while not self.store.check(keys):
-            if superseded():
-                raise Superseded(keys[0])
-            time.sleep(0.001)
+    def _wait_members(self, plan: Plan, superseded: Callable[[], bool]) -> None:
+        """Wait until every member of ``plan`` has reached its barrier; Superseded when a newer plan comes,
+        one clear error naming the missing workers after the process group's timeout."""
+        arrived = {uid: keys.arrived(self.attempt, plan.gen, uid) for uid in plan.members}
+        try:
+            InterruptibleStore(self.store, superseded).wait(list(arrived.values()), self.timeout)
+        except StoreTimeout:
+            missing = [uid for uid, key in arrived.items() if not self.store.check([key])]
+            raise RuntimeError(f"ftrun: worker{'s' if len(missing) > 1 else ''} {missing} did not reach generation "
+                               f"{plan.gen}'s barrier within {self.timeout.total_seconds():g} s (the process group "
+                               "timeout of ftrun.init)") from None

@@ -278,20 +278,27 @@ class Session:
         self._complete(pending)
 
     def _save_rescue(self) -> None:
-        """The agent gave up recovering in place: keep this worker's last committed state for the restart."""
+        """The agent asks (before a group restart, or as ftrun is stopped): keep this worker's last committed
+        state; a state that cannot be written (a full disk) is answered with the reason."""
         with self._state_lock:
             step = self.committed_step
-            save_rescue(self.protected, step, self._rescue_dir / f"{self.uid}.pt")
+            try:
+                save_rescue(self.protected, step, self._rescue_dir / f"{self.uid}.pt")
+            except (OSError, RuntimeError) as exc:
+                self.channel.send(protocol.SAVED, step=step, error=(str(exc).splitlines() or [repr(exc)])[0])
+                return
         self.channel.send(protocol.SAVED, step=step)
 
     def _restore_rescue(self) -> None:
-        """After a group restart, start from the best state the previous attempt rescued, if any."""
-        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" and self._rescue_dir.is_dir():
-            restored = load_rescue(self._rescue_dir, self.protected)
+        """Start from the best state in the directory the agent names (FTRUN_RESCUE_FROM: the previous
+        attempt's rescue after a group restart, an earlier launch's with --resume-from), if any."""
+        source = Path(os.environ.get("FTRUN_RESCUE_FROM", ""))
+        if source.name and source.is_dir():
+            restored = load_rescue(source, self.protected)
             if restored is not None:
                 self.committed_step = restored
                 if self.rank == 0:
-                    print(f"ftrun: resuming from the state of step {restored} rescued before the restart",
+                    print(f"ftrun: resuming from the state of step {restored} saved in {source}",
                           file=sys.stderr, flush=True)
 
     @property

@@ -37,11 +37,20 @@ def unpack(payload: torch.Tensor, objects: dict[str, Stateful]) -> int:
 
 
 def save_rescue(objects: dict[str, Stateful], step: int, path: Path) -> None:
-    """Write the state of ``step`` to ``path`` atomically: kept for a group restart after a failed recovery."""
+    """Write the state of ``step`` to ``path`` atomically: kept for a group restart or a next launch.
+
+    OSError when it cannot be written (a full disk), and nothing is left behind: a Python file, because
+    torch writing to a path reports a full disk as an opaque "enforce fail" instead.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".partial")
-    torch.save(_snapshot(objects, step), partial)
-    os.replace(partial, path)
+    try:
+        with open(partial, "wb") as f:
+            torch.save(_snapshot(objects, step), f)
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
 
 
 def load_rescue(directory: Path, objects: dict[str, Stateful]) -> int | None:
