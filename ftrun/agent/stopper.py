@@ -67,7 +67,7 @@ class Stopper:
     def tick(self, now: float) -> None:
         """Enter the phase the schedule has reached, taking every action on the way once."""
         current = phase(self.stop, now, self.saving)
-        start = 0 if self.phase is None else _ORDER.index(self.phase) + 1
+        start = _ORDER.index(current) if self.phase is None else _ORDER.index(self.phase) + 1
         for step in _ORDER[start:_ORDER.index(current) + 1]:
             if self.phase is Phase.SAVE:
                 self._report_saved()

@@ -139,12 +139,13 @@ def test_a_worker_that_cannot_save_says_why_and_one_that_does_not_answer_is_not_
 
 def test_a_worker_still_there_after_sigkill_is_given_up_on_and_the_stop_ends(tmp_path):
     quick, stuck = StandIn(0), StandIn(1)
-    stopper, _, _, abandoned = make_stopper(tmp_path, [quick, stuck], [], grace=1.0)
+    stopper, log, notices, abandoned = make_stopper(tmp_path, [quick, stuck], [], grace=1.0)
     assert quick.signals == stuck.signals == [signal.SIGTERM]
+    assert not quick.sent and not notices and not read_events(log.path)  # nothing to save: no rescue
     quick.exitcode = 0
     stopper.tick(1.0)
     assert quick.signals == [signal.SIGTERM] and stuck.signals == [signal.SIGTERM, signal.SIGKILL]
     stopper.tick(1.0 + KILL_WAIT - 0.1)
     assert not abandoned
     stopper.tick(1.0 + KILL_WAIT)
-    assert abandoned == [(1, KILL_WAIT)]
+    assert abandoned == [(1, KILL_WAIT)] and not notices

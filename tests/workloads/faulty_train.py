@@ -40,6 +40,10 @@ def plant(kind: str, step: int, uid: int, training: train_ddp.Training, current:
     if kind == "allreduce":
         first = next(iter(training.model.module.parameters()))
         first.register_hook(lambda grad: die())
+    if kind == "freeze":
+        group = Path(os.environ["FREEZER"])
+        (group / "cgroup.procs").write_text(str(os.getpid()))
+        (group / "freezer.state").write_text("FROZEN")  # this process stops here, in state D
     if kind == "recovery":
         original = group.Communicator.form
         group.Communicator.form = lambda self, plan, superseded: die() if plan.gen >= 1 else original(
