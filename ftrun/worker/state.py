@@ -6,7 +6,7 @@ import ctypes
 import io
 import os
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 import torch
 
@@ -39,18 +39,41 @@ def unpack(payload: torch.Tensor, objects: dict[str, Stateful]) -> int:
 def save_rescue(objects: dict[str, Stateful], step: int, path: Path) -> None:
     """Write the state of ``step`` to ``path`` atomically: kept for a group restart or a next launch.
 
-    OSError when it cannot be written (a full disk), and nothing is left behind: a Python file, because
-    torch writing to a path reports a full disk as an opaque "enforce fail" instead.
+    OSError when it cannot be written (a full disk), and no partial file is left behind.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".partial")
     try:
         with open(partial, "wb") as f:
-            torch.save(_snapshot(objects, step), f)
+            target = _KeepsWriteError(f)
+            try:
+                torch.save(_snapshot(objects, step), target)
+            except RuntimeError:
+                if target.error is not None:  # torch reports a failed write as an opaque "enforce fail"
+                    raise target.error from None
+                raise
         os.replace(partial, path)
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
+
+
+class _KeepsWriteError:
+    """A binary file that keeps the first error its writes raised."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self.file = file
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
 
 
 def load_rescue(directory: Path, objects: dict[str, Stateful]) -> int | None:
