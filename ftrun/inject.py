@@ -284,7 +284,9 @@ def run_chaos(job: Job, mtbf: float, duration: float, kinds: tuple[str, ...], se
             recovered += 1
             say(f"chaos +{time.monotonic() - start:.2f} s: recovered in {settled['latency']:.2f} s (world "
                 f"{settled['world_before']} -> {settled['world_after']}, {settled['steps_lost']} steps lost)")
-    except (JobGone, RuntimeError) as exc:  # RuntimeError: the store went away with the agent hosting it
+    except (JobGone, RuntimeError, UsageError) as exc:  # the store went away with the agent hosting it
+        if isinstance(exc, UsageError) and job.alive():
+            raise  # a drill the agent refused
         say(f"chaos +{time.monotonic() - start:.2f} s: the job is gone ({str(exc).splitlines()[0]}); stopping")
         return 1
     say(f"chaos: {injected} drills injected, {faults} faults, {recovered} recovered in place")
