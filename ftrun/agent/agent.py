@@ -14,6 +14,7 @@ import signal
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -128,7 +129,7 @@ class Agent:
             os.close(mail_w)
             self.log.close()
 
-    def _register(self):  # noqa: ANN202 -- a registry path, or None
+    def _register(self) -> Path | None:
         """Enter this launch in the run registry; a registry that cannot be written (a full disk) is said once."""
         entry = registry.new_entry(self.run_dir.name, self.config.run_id, self.config.master_addr,
                                    self.config.store.port, self.run_dir)

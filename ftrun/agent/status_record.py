@@ -37,7 +37,8 @@ evicted (None where unknown); an empty dict where there is no GPU."""
 
 
 def worker_state(exitcode: int | None, member: bool, spare: bool, recovering: bool, hung: bool) -> str:
-    """One word for what a worker is doing: running, recovering, hung, spare, joining, finished or lost."""
+    """One word for what a worker is doing: running, recovering, hung, spare, joining, finished or lost (and
+    ``unkillable``, set by the caller, for one still there after SIGKILL that ftrun gave up on)."""
     if exitcode is not None:
         return "finished" if exitcode == 0 else "lost"
     if hung:
@@ -128,8 +129,9 @@ class StatusPublisher:
         if rank is not None:
             self.last_rank[uid] = rank
         progress = coordination.watchdog.progress.get(uid) if worker.exitcode is None else None
-        state = worker_state(worker.exitcode, rank is not None, worker.slot.joiner,
-                             coordination.recovering, uid in coordination.watchdog.killing)
+        state = "unkillable" if worker.abandoned else worker_state(
+            worker.exitcode, rank is not None, worker.slot.joiner, coordination.recovering,
+            uid in coordination.watchdog.killing)
         cpu, rss = self._usage(worker.pid) if worker.exitcode is None else (None, None)
         return {"uid": uid, "rank": self.last_rank.get(uid), "local_rank": worker.slot.local_rank,
                 "pid": worker.pid, "state": state, "exit": exit_reason(worker.exitcode),

@@ -11,8 +11,8 @@ from rich.text import Text
 
 NONE = "-"
 HEALTH_STYLE = {"healthy": "bold green", "degraded": "bold yellow", "ended": "bold"}
-STATE_STYLE = {"running": "green", "recovering": "yellow", "hung": "bold red", "lost": "red", "spare": "cyan",
-               "joining": "cyan", "finished": "dim", "stopped": "dim"}
+STATE_STYLE = {"running": "green", "recovering": "yellow", "hung": "bold red", "unkillable": "bold red", "lost": "red",
+               "spare": "cyan", "joining": "cyan", "finished": "dim", "stopped": "dim"}
 PHASES = ("detect", "plan", "abort", "rendezvous", "agree", "transfer", "first_step")
 
 
