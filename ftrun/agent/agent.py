@@ -74,6 +74,7 @@ class Agent:
         self.restart_count = 0
         self.rescued = False  # a group restart of this launch saved a state (its rescue directory holds it)
         self.stopper: Stopper | None = None  # the stop of the current attempt, once it began
+        self.registered: Path | None = None  # this launch's entry in the run registry, once its store answers
         self.result = AttemptResult()  # how the current attempt is going
         self.attempt_failure: str | None = None  # set by end_attempt: why the current attempt is being ended
         self.store: JobStore | None = None  # the agent's own store handle, once the store is served
@@ -107,7 +108,6 @@ class Agent:
         config = self.config
         self.log.write(events.START, run_id=config.run_id, command=config.command, node=config.node_rank,
                        nproc=config.nproc_per_node, world_size=config.world_size, store_port=config.store.port)
-        entry = None if config.under_launcher else self._register()
         try:
             with SignalWake(handled) as wake:
                 self.selector.register(wake.fd, selectors.EVENT_READ, (SIGNAL, wake))
@@ -123,8 +123,8 @@ class Agent:
             for service in (self.mail, self.lease):
                 if service is not None:
                     service.stop()
-            if entry is not None:
-                registry.unregister(entry)
+            if self.registered is not None:
+                registry.unregister(self.registered)
             os.close(mail_r)
             os.close(mail_w)
             self.log.close()
@@ -143,12 +143,12 @@ class Agent:
     def _run_attempts(self, mail_w: int) -> int:
         while True:
             self._start_group()
+            if self.store is None:  # while the workers start (and import torch)
+                self.store = self._open_store(mail_w)
             pids = " ".join(str(w.pid) for w in self.pool.all())
             self.console.notice(f"ftrun: run {self.config.run_id}, attempt {self.restart_count}: "
                                 f"{len(self.pool.all())} workers (pids {pids}); events in {self.run_dir}/events.jsonl",
                                 style="dim")
-            if self.store is None:
-                self.store = self._open_store(mail_w)
             self.coordination = self._coordination()
             self.status.coordination, self.status.attempt = self.coordination, self.restart_count
             for worker in self.pool.all():
@@ -202,6 +202,8 @@ class Agent:
         if self.leader:
             store.write_job({"run_id": self.run_dir.name, "rdzv_id": config.run_id, "nnodes": config.min_nodes,
                              "world_size": config.world_size, "run_dir": str(self.run_dir)})
+        if not config.under_launcher:  # only now: `ftrun status` and `inject` find a job whose store answers
+            self.registered = self._register()
         self.mail = MailReader(self._connect, keys.node_box(config.node_rank), mail_w)
         self.mail.start()
         if config.multinode and self.leader:
@@ -418,8 +420,10 @@ class Agent:
                 self.stop_all(sig)
 
     def _savers(self) -> list[WorkerHandle]:
-        """This node's live workers that use the worker API: they can save their state before they stop."""
-        return [w for w in self.pool.live() if self.coordination is not None and self.coordination.adopted(w.uid)]
+        """This node's live training workers that use the worker API: they can save their state before they
+        stop (an idle spare has none of its own)."""
+        c = self.coordination
+        return [w for w in self.pool.live() if c is not None and c.adopted(w.uid) and w.uid in c.plan.members]
 
 
 def _process_state(pid: int) -> str:

@@ -41,9 +41,9 @@ def plant(kind: str, step: int, uid: int, training: train_ddp.Training, current:
         first = next(iter(training.model.module.parameters()))
         first.register_hook(lambda grad: die())
     if kind == "freeze":
-        group = Path(os.environ["FREEZER"])
-        (group / "cgroup.procs").write_text(str(os.getpid()))
-        (group / "freezer.state").write_text("FROZEN")  # this process stops here, in state D
+        freezer = Path(os.environ["FREEZER"])
+        (freezer / "cgroup.procs").write_text(str(os.getpid()))
+        (freezer / "freezer.state").write_text("FROZEN")  # this process stops here, in state D
     if kind == "recovery":
         original = group.Communicator.form
         group.Communicator.form = lambda self, plan, superseded: die() if plan.gen >= 1 else original(
