@@ -117,6 +117,9 @@ def run(
     metrics_port: Optional[int] = typer.Option(
         None, "--metrics-port", metavar="PORT", rich_help_panel=HEALTH_PANEL,
         help="Serve Prometheus metrics on this port (each node's agent, all interfaces; read-only)."),
+    resume_from: Optional[str] = typer.Option(
+        None, "--resume-from", metavar="RUN_DIR", rich_help_panel=RECOVERY_PANEL,
+        help="Start from the state an earlier launch saved as it was stopped (its run directory)."),
     # torchrun's flags, in torchrun's order
     nnodes: str = _opt("--nnodes", help="Number of nodes, N (MIN:MAX ranges are refused).", default="1:1"),
     nproc_per_node: Optional[str] = _opt("--nproc-per-node", "--nproc_per_node",
@@ -191,7 +194,7 @@ def run(
         local_ranks_filter=local_ranks_filter, local_addr=local_addr, signals_to_handle=signals_to_handle,
         shutdown_timeout=shutdown_timeout, log_line_prefix_template=log_line_prefix_template,
         virtual_local_rank=virtual_local_rank, hostfile=hostfile, host_list=hosts, node_timeout=node_timeout,
-        metrics_port=metrics_port,
+        metrics_port=metrics_port, resume_from=resume_from,
         unsupported={"--logs-specs": logs_specs, "--numa-binding": numa_binding,
                      "--duplicate-stdout-filters": duplicate_stdout_filters,
                      "--duplicate-stderr-filters": duplicate_stderr_filters,

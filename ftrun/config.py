@@ -189,6 +189,8 @@ class LaunchConfig:
     under_launcher: bool = False  # this agent was started by a --hostfile launcher, which registers the run
     xid_table: dict[int, tuple[Action, str]] = field(default_factory=lambda: dict(DEFAULT_TABLE))
     """Xid code -> (action, description): ftrun.health.policy.DEFAULT_TABLE with --xid-policy's overrides."""
+    resume_from: Path | None = None
+    """--resume-from: the run directory of an earlier launch whose saved state this one starts from."""
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -285,6 +287,7 @@ def build_config(
     host_list: str | None = None,
     node_timeout: float = 10.0,
     metrics_port: int | None = None,
+    resume_from: str | None = None,
 ) -> LaunchConfig:
     """Validate the flags and build the one :class:`LaunchConfig` the launch runs on."""
     for flag, value in unsupported.items():
@@ -365,6 +368,7 @@ def build_config(
         xid_table = load_table(recovery.xid_policy) if recovery.xid_policy else dict(DEFAULT_TABLE)
     except UsageError as exc:
         raise UsageError(f"--xid-policy: {exc}") from None
+    resume_dir = _resume_dir(resume_from) if resume_from else None
     return LaunchConfig(
         command=_entrypoint(script, script_args, module, no_python, run_path),
         script=script,
@@ -399,6 +403,7 @@ def build_config(
         metrics_port=metrics_port,
         hosts=hosts,
         xid_table=xid_table,
+        resume_from=resume_dir,
     )
 
 
@@ -467,4 +472,14 @@ def _writable_log_dir(log_dir: str) -> Path:
         raise UsageError(f"--log-dir {log_dir}: cannot create it ({exc.strerror}); pick a writable directory") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise UsageError(f"--log-dir {log_dir}: not writable; pick a writable directory")
+    return path
+
+
+def _resume_dir(run_dir: str) -> Path:
+    """Check that --resume-from names a run directory holding saved state; its absolute path."""
+    path = Path(run_dir).absolute()
+    if not (path / "rescue").is_dir() or not any((path / "rescue").glob("*.pt")):
+        raise UsageError(f"--resume-from {run_dir}: no saved state there (no {path / 'rescue'}/*.pt): give the "
+                         "run directory of a launch that saved its state, as its 'the state of step N is saved' "
+                         "line names it")
     return path

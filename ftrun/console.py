@@ -2,15 +2,33 @@
 
 from __future__ import annotations
 
+import functools
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import ParamSpec
 
 from rich.console import Console as RichConsole
 from rich.text import Text
 
 STDOUT, STDERR = 1, 2
 """The two streams, as torchrun's --redirects / --tee masks number them."""
+
+_P = ParamSpec("_P")
+
+
+def _losing_lines(method: Callable[_P, None]) -> Callable[_P, None]:
+    """A console that cannot be written (a scheduler's output file on a full disk, a closed pipe) loses the
+    line: the job goes on, and its event log keeps the record."""
+
+    @functools.wraps(method)
+    def write(*args: _P.args, **kwargs: _P.kwargs) -> None:
+        try:
+            method(*args, **kwargs)
+        except OSError:
+            pass
+
+    return write
 
 
 class Console:
@@ -29,16 +47,19 @@ class Console:
         self._progress: str | None = None
         self._progress_said: str | None = None  # the kind of wait last printed without a terminal
 
+    @_losing_lines
     def line(self, stream: int, prefix: str, colour: str, text: str, owner: object = None) -> None:
         """Print one worker line after its prefix (the prefix as is: it ends with a space if one is wanted)."""
         self._write(stream, prefix, colour, text, owner, "\n")
         self._drawn.pop(stream, None)
 
+    @_losing_lines
     def update(self, stream: int, prefix: str, colour: str, text: str, owner: object) -> None:
         """Draw ``owner``'s unfinished line in place: no newline, overwritten by its next update or line."""
         self._write(stream, prefix, colour, text, owner, "")
         self._drawn[stream] = owner
 
+    @_losing_lines
     def notice(self, text: str, style: str = "bold") -> None:
         """Print one line of ftrun's own on stderr (bold when a terminal)."""
         if self._drawn.pop(STDERR, None) is not None:
@@ -50,6 +71,7 @@ class Console:
             self.err.file.write(text + "\n")
             self.err.file.flush()
 
+    @_losing_lines
     def progress(self, text: str | None) -> None:
         """Show what the job waits for (None: nothing); the same wait is not printed twice without a terminal."""
         if self.err.is_terminal:

@@ -9,12 +9,16 @@ new fields do not.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ftrun.dropped import DroppedWrites, append
 
 SCHEMA_VERSION = 1
 """The version of the records' layout, written as ``v`` in every record."""
@@ -53,8 +57,10 @@ RECOVERY_REFUSED = EventKind("recovery_refused", ("uid", "reason"))
 """A fault that cannot be recovered in place; the group restarts."""
 RECOVERY_FAILED = EventKind("recovery_failed", ("reason", "gen"))
 """An in-place recovery was given up; the live workers save their state, then the group restarts."""
-RESCUE = EventKind("rescue", ("saved", "best_step", "missing"))
-"""The state the live workers saved before a group restart (uid -> step), and who did not answer."""
+RESCUE = EventKind("rescue", ("saved", "best_step", "missing"), ("errors", "why"))
+"""The state the live workers saved (uid -> step) before a group restart (``why`` restart) or as ftrun was
+stopped by a signal (``why`` the signal's name), who did not answer, and why a worker could not save (uid ->
+error)."""
 JOINER_READY = EventKind("joiner_ready", ("uid", "pid"))
 """A spare or respawned worker is ready to be placed."""
 JOINER_LOST = EventKind("joiner_lost", ("uid", "how"))
@@ -80,39 +86,75 @@ NODE_LOST = EventKind("node_lost", ("node", "reason", "ranks"))
 """The leader declared a node lost (its lease ran out, or its agent ended)."""
 FENCED = EventKind("fenced", ("reason",))
 """A follower stopped its own workers: it lost its lease, or the leader evicted it."""
+UNKILLABLE = EventKind("unkillable", ("uid", "rank", "pid", "state", "waited"))
+"""A worker still there ``waited`` seconds after SIGKILL (``state``: its process state, e.g. disk-sleep):
+ftrun stops waiting for it and treats it as lost."""
+WRITES_DROPPED = EventKind("writes_dropped", ("what", "count", "since", "error"))
+"""Writes that failed (a full disk) were dropped: ``count`` of them to ``what`` from ``since`` (wall clock),
+with ``error``; recorded once writing works again."""
 GPU_HEALTH = EventKind("gpu_health", ("kind", "gpu", "local_rank", "value", "action", "reason", "source", "detail",
                                       "pids"))
 """A GPU health signal (NVML, or a drill) and the action taken on the workers using that GPU."""
 
 KINDS: dict[str, EventKind] = {kind.name: kind for kind in (
     START, WORKER_START, WORKER_EXIT, FAULT, GENERATION, RECOVERY, RECOVERY_REFUSED, RECOVERY_FAILED, RESCUE,
-    JOINER_READY, JOINER_LOST, GROUP_FAILURE, PROGRESS, RESUMED, ATTEMPT_END, END, LINK_FAULT, HANG, INJECT, NODE_LOST, FENCED, GPU_HEALTH)}
+    JOINER_READY, JOINER_LOST, GROUP_FAILURE, PROGRESS, RESUMED, ATTEMPT_END, END, LINK_FAULT, HANG, INJECT, NODE_LOST,
+    FENCED, GPU_HEALTH, UNKILLABLE, WRITES_DROPPED)}
 """Every kind of event, by name."""
 
 
 class EventLog:
-    """Appends structured events to ``<run dir>/events.jsonl``; each line is flushed as written."""
+    """Appends structured events to ``<run dir>/events.jsonl``, each line whole, as it is written.
 
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+    A record the file cannot take (a full disk) is dropped, not fatal: ``notice`` says so once, the listeners
+    still get it, and a ``writes_dropped`` event records how many were lost once the file takes records again.
+    """
+
+    def __init__(self, path: Path, notice: Callable[[str], None] | None = None) -> None:
         self.path = path
-        self._file = open(path, "a", encoding="utf-8")
         self.listeners: list[Callable[[dict[str, Any]], None]] = []
         """Called with each record once it is written (the live status tally)."""
+        self.dropped = DroppedWrites(f"the event log {path}", notice)
+        self._fd = -1
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            self.dropped.failed(exc)
 
     def write(self, kind: EventKind, /, **fields: Any) -> dict[str, Any]:
         """Record one event of ``kind`` with its fields and the wall-clock time; returns the record."""
         kind.check(fields)
-        record = {"v": SCHEMA_VERSION, "time": round(time.time(), 6), "event": kind.name, **fields}
-        self._file.write(json.dumps(record, sort_keys=True) + "\n")
-        self._file.flush()
+        lost = self.dropped.lost()
+        if lost is not None and self._append(_record(WRITES_DROPPED, lost)) is None:
+            self.dropped.recorded()
+        record = _record(kind, fields)
+        error = self._append(record)
+        if error is not None:
+            self.dropped.failed(error)
         for listener in self.listeners:
             listener(record)
         return record
 
+    def _append(self, record: dict[str, Any]) -> OSError | None:
+        """Make ``record`` a line of the file; the error when the file would not take it (then it is not there)."""
+        try:
+            if self._fd < 0:
+                raise OSError(errno.EBADF, f"{self.path} could not be opened")
+            append(self._fd, (json.dumps(record, sort_keys=True) + "\n").encode())
+        except OSError as exc:
+            return exc
+        return None
+
     def close(self) -> None:
         """Close the file."""
-        self._file.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _record(kind: EventKind, fields: dict[str, Any]) -> dict[str, Any]:
+    return {"v": SCHEMA_VERSION, "time": round(time.time(), 6), "event": kind.name, **fields}
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:

@@ -35,6 +35,8 @@ CHAOS_XID = 13
 """The Xid chaos injects: "graphics engine exception", which the policy answers by restarting the rank."""
 MAX_VALUE = 2**32 - 1
 """The largest Xid code or ECC error count a drill takes (NVML reports both as 32-bit counts)."""
+ALIVE_CHECK = 1.0
+"""Seconds between two checks, while chaos waits, that the job's store still answers (its agent is there)."""
 
 
 # ------------------------------------------------------------------------------------- the drill
@@ -136,6 +138,24 @@ class Job:
             raise UsageError(f"run {self.run_id}: {answer.get('error', 'the agent refused the drill')}")
         return answer
 
+    def alive(self) -> bool:
+        """Whether the job's store still answers: it lives in the leader agent, so a job whose agent is gone
+        (killed, its host down) does not; a call waits at most the connection's timeout."""
+        try:
+            self.store.read_job(0.0)
+        except RuntimeError:
+            return False
+        return True
+
+    def pause(self, seconds: float) -> bool:
+        """Wait ``seconds`` while the job lives; False as soon as it is gone."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(left, ALIVE_CHECK))
+            if not self.alive():
+                return False
+        return True
+
     @property
     def events_path(self) -> Path:
         """The run's event log (readable on the node that launched it)."""
@@ -194,11 +214,21 @@ class EventFollower:
         return [json.loads(line) for line in self.lines.feed(data) if line.strip()]
 
 
-def await_settled(follower: EventFollower, uid: int, poll: float = 0.1) -> dict[str, Any]:
+GONE = "gone"
+"""What :func:`await_settled` returns as the ``event`` when the job went away without an ``end`` in its log."""
+
+
+class JobGone(Exception):
+    """The job's agent went away while chaos was waiting on it."""
+
+
+def await_settled(follower: EventFollower, uid: int, alive: Callable[[], bool], poll: float = 0.1) -> dict[str, Any]:
     """The event that settles the loss of worker ``uid``: its ``recovery`` (once every worker started since,
-    a respawned one, has joined or ended), a ``recovery_failed``, or the ``end`` of the run."""
+    a respawned one, has joined or ended), a ``recovery_failed``, the ``end`` of the run, or ``{"event": GONE}``
+    once ``alive()`` says the job is gone (its agent killed: no ``end`` will ever come)."""
     recovery = None
     joining: set[int] = set()
+    next_check = time.monotonic() + ALIVE_CHECK
     while True:
         for event in follower.new():
             kind = event["event"]
@@ -214,6 +244,10 @@ def await_settled(follower: EventFollower, uid: int, poll: float = 0.1) -> dict[
                 return event
         if recovery is not None and not joining:
             return recovery
+        if time.monotonic() >= next_check:
+            if not alive():
+                return {"event": GONE, "reason": "its store no longer answers"}
+            next_check = time.monotonic() + ALIVE_CHECK
         time.sleep(poll)  # polling a file another process appends to
 
 
@@ -234,7 +268,8 @@ def run_chaos(job: Job, mtbf: float, duration: float, kinds: tuple[str, ...], se
 
     MTBF is uptime: each gap is drawn from an exponential of mean ``mtbf`` and runs from the end of the
     previous recovery (and the return of a respawned worker), so a fault never lands in the middle of
-    the previous one's recovery. The last live rank is never taken: chaos stops there.
+    the previous one's recovery. The last live rank is never taken: chaos stops there. A job whose agent
+    is gone (its store no longer answers) ends chaos with one line, and 1.
     """
     check_chaos(mtbf, duration)
     follower = EventFollower(job.events_path)
@@ -245,28 +280,37 @@ def run_chaos(job: Job, mtbf: float, duration: float, kinds: tuple[str, ...], se
     start = time.monotonic()
     say(f"chaos: run {job.run_id}, MTBF {mtbf:g} s for {duration:g} s, kinds {','.join(kinds)}, seed {seed}")
     injected = faults = recovered = 0
-    while True:
-        ranks = job.ranks()
-        if len(ranks) < 2:
-            say("chaos: one live rank left, which an in-place recovery needs; stopping")
-            break
-        gap, kind, rank = schedule.next(ranks)
-        if time.monotonic() + gap - start > duration:
-            break
-        time.sleep(gap)  # the drawn uptime before the next fault
-        answer = job.inject(chaos_message(kind, rank), ranks)
-        injected += 1
-        say(f"chaos +{time.monotonic() - start:.2f} s: {kind} -> {answer['message']}")
-        if not answer["fault"]:
-            continue
-        faults += 1
-        settled = await_settled(follower, answer["uid"])
-        if settled["event"] != events.RECOVERY.name:
-            say(f"chaos +{time.monotonic() - start:.2f} s: not recovered in place ({settled['event']}: "
-                f"{settled.get('reason') or settled.get('outcome')}); stopping")
-            break
-        recovered += 1
-        say(f"chaos +{time.monotonic() - start:.2f} s: recovered in {settled['latency']:.2f} s (world "
-            f"{settled['world_before']} -> {settled['world_after']}, {settled['steps_lost']} steps lost)")
+    try:
+        while True:
+            ranks = job.ranks()
+            if len(ranks) < 2:
+                say("chaos: one live rank left, which an in-place recovery needs; stopping")
+                break
+            gap, kind, rank = schedule.next(ranks)
+            if time.monotonic() + gap - start > duration:
+                break
+            if not job.pause(gap):  # the drawn uptime before the next fault
+                raise JobGone("its store no longer answers")
+            answer = job.inject(chaos_message(kind, rank), ranks)
+            injected += 1
+            say(f"chaos +{time.monotonic() - start:.2f} s: {kind} -> {answer['message']}")
+            if not answer["fault"]:
+                continue
+            faults += 1
+            settled = await_settled(follower, answer["uid"], job.alive)
+            if settled["event"] == GONE:
+                raise JobGone(settled["reason"])
+            if settled["event"] != events.RECOVERY.name:
+                say(f"chaos +{time.monotonic() - start:.2f} s: not recovered in place ({settled['event']}: "
+                    f"{settled.get('reason') or settled.get('outcome')}); stopping")
+                break
+            recovered += 1
+            say(f"chaos +{time.monotonic() - start:.2f} s: recovered in {settled['latency']:.2f} s (world "
+                f"{settled['world_before']} -> {settled['world_after']}, {settled['steps_lost']} steps lost)")
+    except (JobGone, RuntimeError, UsageError) as exc:  # the store went away with the agent hosting it
+        if isinstance(exc, UsageError) and job.alive():
+            raise  # a drill the agent refused
+        say(f"chaos +{time.monotonic() - start:.2f} s: the job is gone ({str(exc).splitlines()[0]}); stopping")
+        return 1
     say(f"chaos: {injected} drills injected, {faults} faults, {recovered} recovered in place")
     return 0 if recovered == faults else 1

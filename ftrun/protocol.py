@@ -32,7 +32,7 @@ PROGRESS = "progress"  # a step committed: {gen, step, time, step_time}
 ENTERED = "entered"  # the first collective of a step started: {step}
 FINISHED = "finished"  # the worker left the step loop: no more progress is to be expected
 RECOVERED = "recovered"  # the worker finished recovery for a generation: {gen, step, timings}
-SAVED = "saved"  # the worker wrote its state for a group restart: {step}
+SAVED = "saved"  # the worker wrote its state (for a restart, or a next launch): {step}, or {step, error} if it could not
 COLLECTIVE_FAILED = "collective_failed"  # a collective failed with no new plan to explain it: {gen, step, phase,
 # error, unreachable}: phase "step" (in training), "form", "agree", "transfer" or "probe"; unreachable, after a
 # probe: {uid: [uids it could not connect to]} for every member (empty lists when all connected)
@@ -40,7 +40,7 @@ RECOVERY_PHASES = ("abort", "rendezvous", "agree", "transfer")
 """The phases a worker times in its ``recovered`` message (``timings``: seconds by phase)."""
 # agent -> worker
 PLAN = "plan"  # a new generation: Plan fields
-SAVE = "save"  # recovery failed: write your state to FTRUN_RUN_DIR/rescue before the group restart
+SAVE = "save"  # recovery failed, or ftrun is stopped: write your state to FTRUN_RUN_DIR/rescue
 RAISE = "raise"  # a drill (`ftrun inject exception`): raise InjectedFault(message) at the next step: {message}
 SLOW = "slow"  # a drill (`ftrun inject slow`): sleep `seconds` in each step, for `duration` s (None: until cleared)
 

@@ -166,6 +166,43 @@ def netns_hosts(ssh_keys):
         network.delete()
 
 
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """Mount a tmpfs of SIZE bytes (tests/disk.py) under the test's directory; unmounted after the test.
+
+    Skipped with the kernel's reason where mounting is refused (not root, a restricted container).
+    """
+    from disk import TinyDisk
+
+    mounted: list[TinyDisk] = []
+
+    def mount(size: int, name: str = "disk") -> TinyDisk:
+        try:
+            disk = TinyDisk.mount(tmp_path / name, size)
+        except OSError as error:
+            pytest.skip(f"cannot mount a tmpfs here: {error.strerror}")
+        mounted.append(disk)
+        return disk
+
+    yield mount
+    for disk in mounted:
+        disk.unmount()
+
+
+@pytest.fixture
+def freezer(tmp_path):
+    """A cgroup v1 freezer group (tests/freezer.py) whose processes will not die until thawed; thawed and
+    removed after the test. Skipped with the reason where there is no v1 freezer to use."""
+    from freezer import Freezer, unsupported
+
+    reason = unsupported()
+    if reason:
+        pytest.skip(f"no cgroup freezer: {reason}")
+    group = Freezer.create(f"ftrun-test-{os.getpid()}-{tmp_path.name}")
+    yield group
+    group.delete()
+
+
 @pytest.fixture(scope="session")
 def launch(run_ftrun, workload, tmp_path_factory):
     """Run ftrun with 4 workers over a training workload with FAULTS (and AWAIT); returns the Run."""

@@ -8,7 +8,10 @@ awaited through the job's output and its event log, one after another.
 
 from __future__ import annotations
 
+import http.server
 import queue
+import re
+import socket
 import subprocess
 import sys
 import threading
@@ -20,7 +23,7 @@ import pytest
 
 from ftrun import cli
 from ftrun import protocol
-from ftrun.inject import ChaosSchedule, EventFollower, drill_message
+from ftrun.inject import GONE, ChaosSchedule, EventFollower, await_settled, drill_message
 from ftrun.errors import UsageError
 from ftrun.worker.injected import InjectedFault, WorkerDrills
 from runs import COMMIT, HELD_STEPS, HELD_TRAINING, RTOL
@@ -238,6 +241,67 @@ def test_bad_targets_are_one_line(args, code, message, private_registry):
                             text=True, timeout=60)
     assert result.returncode == code and result.stdout == ""
     assert result.stderr.startswith("ftrun: error: " + message) and result.stderr.count("\n") == 1, result.stderr
+
+
+# ---------------------------------------------------------------------------------- waits that end
+class NotAStore:
+    """A real listening socket that is no job's store: one that accepts and never answers ("silent"), one
+    that never accepts ("backlog": the kernel completes the handshake), or an HTTP server ("http")."""
+
+    def __init__(self, kind: str) -> None:
+        self.held: list[socket.socket] = []
+        if kind == "http":
+            self.server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+            self.port = self.server.server_address[1]
+            threading.Thread(target=self.server.serve_forever, daemon=True).start()
+            return
+        self.server = socket.create_server(("127.0.0.1", 0), backlog=16)
+        self.port = self.server.getsockname()[1]
+        if kind == "silent":
+            threading.Thread(target=self._hold, daemon=True).start()
+
+    def _hold(self) -> None:
+        while True:
+            connection, _ = self.server.accept()
+            self.held.append(connection)
+
+
+@pytest.mark.parametrize("kind", ["silent", "backlog", "http"])
+def test_inject_at_a_port_that_is_no_store_gives_up_in_its_timeout_with_one_line(kind, private_registry):
+    target = NotAStore(kind)
+    result = subprocess.run([sys.executable, "-m", "ftrun", "inject", "kill", "--rank", "0", "--endpoint",
+                             f"127.0.0.1:{target.port}"], env=private_registry, capture_output=True, text=True,
+                            timeout=120)  # torch's client alone waited 900 s and more
+    assert result.returncode == 3 and result.stdout == "", result.stderr
+    last = result.stderr.splitlines()[-1]
+    assert last.startswith(f"ftrun: error: cannot reach a job at 127.0.0.1:{target.port}: "), result.stderr
+    if kind != "http":  # torch's client logs its retries of a garbled answer itself (gone with ftrun's own client)
+        assert result.stderr == f"ftrun: error: cannot reach a job at 127.0.0.1:{target.port}: no answer within " \
+                                "5 s (is that a job's store port?)\n"
+
+
+def test_chaos_stops_with_one_line_once_the_agent_is_gone(live_job, workload, tmp_path, private_registry):
+    proc, _ = live_job("--nproc-per-node", 2, workload("wait_forever.py"), tmp_path)
+    chaos = subprocess.Popen([sys.executable, "-m", "ftrun", "inject", "chaos", "--mtbf", "3600", "--duration",
+                              "1000000", "--kinds", "kill", "--seed", "1"], env=private_registry,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert chaos.stdout.readline().startswith("chaos: MTBF 3600 s")  # it follows the job now
+        proc.kill()  # the agent, and the store it hosts, are gone at once; no `end` reaches the event log
+        proc.wait(timeout=60)
+        out, err = chaos.communicate(timeout=60)
+    finally:
+        chaos.kill()
+    # (torch's store client may log the reset connection on stderr itself: gone with ftrun's own client)
+    assert chaos.returncode == 1 and "ftrun: error" not in err and "Traceback" not in err, err
+    assert re.fullmatch(r"chaos \+\d+\.\d\d s: the job is gone \(.+\); stopping", out.strip()), out
+
+
+@pytest.mark.fast
+def test_waiting_for_a_recovery_ends_once_the_job_is_gone(tmp_path):
+    (tmp_path / "events.jsonl").write_text("")
+    settled = await_settled(EventFollower(tmp_path / "events.jsonl"), uid=2, alive=lambda: False, poll=0.01)
+    assert settled["event"] == GONE
 
 
 @pytest.mark.fast

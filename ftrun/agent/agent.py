@@ -13,12 +13,15 @@ import selectors
 import signal
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
+
+import psutil
 
 from ftrun import events, protocol, registry
 from ftrun.agent import metrics
-from ftrun.agent.decisions import RecoveryOptions
+from ftrun.agent.decisions import RecoveryOptions, rescue_source
 from ftrun.agent.drills import Drills
 from ftrun.agent.failures import AttemptResult, WorkerFailure, describe_failure, format_report
 from ftrun.agent.follower import Follower
@@ -27,11 +30,13 @@ from ftrun.agent.leader import Leader, LeaderSetup
 from ftrun.agent.nodes import RemoteNodes
 from ftrun.agent.pool import CHANNEL, EXIT, OUTPUT, WorkerPool
 from ftrun.agent.ports import Coordination, WorkerHandle
+from ftrun.agent.shutdown import OnSignal, on_signal, schedule
 from ftrun.agent.status_record import RunInfo, StatusPublisher
+from ftrun.agent.stopper import Stopper
 from ftrun.agent.workers import Worker, WorkerSlot
 from ftrun.config import LaunchConfig
 from ftrun.console import Console
-from ftrun.errors import EXIT_OK, EXIT_SIGNAL_BASE, EXIT_WORKERS_FAILED
+from ftrun.errors import EXIT_OK, EXIT_SIGNAL_BASE, EXIT_WORKERS_FAILED, UsageError
 from ftrun.events import EventLog
 from ftrun.nccl import startup_notices
 from ftrun.processes import SignalWake, signal_name
@@ -48,8 +53,6 @@ STORE_TIMEOUT = 300.0
 """Seconds an agent's store calls may wait (a follower waits this long for node 0 to serve the store)."""
 SIGNAL, MAIL, GPU = "signal", "mail", "gpu"
 """The tags of the agent's own selector registrations."""
-KILL_REPEAT = 3600.0
-"""After the escalation to SIGKILL, seconds before it is sent again."""
 
 
 class Agent:
@@ -60,17 +63,23 @@ class Agent:
         self.store_host = store_host  # None: another process serves the store (node 0, or the hostfile launcher)
         self.console = console
         root = config.log_dir or registry.default_runs_root()
-        run = registry.private_dir(root / (config.run_name or f"{config.run_id}_{uuid.uuid4().hex[:8]}"))
+        try:
+            run = registry.private_dir(root / (config.run_name or f"{config.run_id}_{uuid.uuid4().hex[:8]}"))
+            self.run_dir = run if config.node_rank == 0 else registry.private_dir(run / f"node{config.node_rank}")
+        except OSError as exc:
+            raise UsageError(f"cannot create the run directory under {root} ({exc.strerror}): "
+                             "free some space there, or pick another --log-dir") from None
         self.run_name = run.name
         """The run's name (its directory's), the same on every node: the run id `ftrun status` shows."""
-        self.run_dir = run if config.node_rank == 0 else registry.private_dir(run / f"node{config.node_rank}")
         self.seal = Seal(config.secret)
-        self.log = EventLog(self.run_dir / "events.jsonl")
+        self.log = EventLog(self.run_dir / "events.jsonl", console.notice)
         self.selector = selectors.DefaultSelector()
         self.pool = WorkerPool(config, self.selector, console, self.log, self.run_dir)
         self.leader = config.node_rank == 0
         self.restart_count = 0
-        self.stop_deadline: float | None = None
+        self.rescued = False  # a group restart of this launch saved a state (its rescue directory holds it)
+        self.stopper: Stopper | None = None  # the stop of the current attempt, once it began
+        self.registered: Path | None = None  # this launch's entry in the run registry, once its store answers
         self.result = AttemptResult()  # how the current attempt is going
         self.attempt_failure: str | None = None  # set by end_attempt: why the current attempt is being ended
         self.store: JobStore | None = None  # the agent's own store handle, once the store is served
@@ -113,12 +122,8 @@ class Agent:
                                     style="yellow")
         self.log.write(events.START, run_id=config.run_id, command=config.command, node=config.node_rank,
                        nproc=config.nproc_per_node, world_size=config.world_size, store_port=config.store.port)
-        entry = None
         if self.leader:
             write_secret_file(self.run_dir / "secret", config.secret)  # for `ftrun status --secret-file`
-        if not config.under_launcher:
-            entry = registry.register(registry.new_entry(self.run_dir.name, config.run_id, config.master_addr,
-                                                         config.store.port, self.run_dir, config.secret))
         try:
             with SignalWake(handled) as wake:
                 self.selector.register(wake.fd, selectors.EVENT_READ, (SIGNAL, wake))
@@ -134,11 +139,22 @@ class Agent:
             for service in (self.mail, self.lease):
                 if service is not None:
                     service.stop()
-            if entry is not None:
-                registry.unregister(entry)
+            if self.registered is not None:
+                registry.unregister(self.registered)
             os.close(mail_r)
             os.close(mail_w)
             self.log.close()
+
+    def _register(self) -> Path | None:
+        """Enter this launch in the run registry; a registry that cannot be written (a full disk) is said once."""
+        entry = registry.new_entry(self.run_dir.name, self.config.run_id, self.config.master_addr,
+                                   self.config.store.port, self.run_dir, self.config.secret)
+        try:
+            return registry.register(entry)
+        except OSError as exc:
+            self.console.notice(f"ftrun: cannot enter this run in the run registry ({exc.strerror or exc}): "
+                                f"`ftrun status` and `ftrun inject` need --endpoint {entry.endpoint}", style="yellow")
+            return None
 
     def _run_attempts(self, mail_w: int) -> int:
         while True:
@@ -161,6 +177,7 @@ class Agent:
                            signal=result.signal, reason=result.reason,
                            last_step=max(self.coordination.last_step.values(), default=None))
             self.coordination.close(None if result.succeeded or result.signal is not None else result.reason)
+            self.rescued = self.rescued or self.coordination.saved_step >= 0
             if result.succeeded:
                 self.log.write(events.END, outcome="succeeded")
                 self._summarise()
@@ -174,7 +191,7 @@ class Agent:
                 self.log.write(events.END, outcome="failed", reason=result.reason)
                 return EXIT_WORKERS_FAILED
             if not self.config.multinode and self.restart_count < self.config.max_restarts:
-                refused = self.gpu_health.why_no_restart(self.config.nproc_per_node)
+                refused = self.gpu_health.why_no_restart(self.config.nproc_per_node) or result.why_no_restart()
                 if refused is None:
                     self.restart_count += 1
                     self.restarted_after = min((f.when for f in result.failures), default=time.time())
@@ -216,6 +233,8 @@ class Agent:
         if self.leader:
             store.write_job({"run_id": self.run_dir.name, "rdzv_id": config.run_id, "nnodes": config.min_nodes,
                              "world_size": config.world_size, "run_dir": str(self.run_dir)})
+        if not config.under_launcher:  # only now: `ftrun status` and `inject` find a job whose store answers
+            self.registered = self._register()
         senders = [keys.node_box(n) for n in range(1, config.min_nodes)] if self.leader else [keys.LEADER_BOX]
         if self.leader and config.under_launcher:
             senders.append(keys.LAUNCHER)
@@ -269,7 +288,8 @@ class Agent:
         self.gpu_health.restarts.clear()  # uids are numbered per attempt
         local_ranks = self.gpu_health.usable_ranks(self.config.nproc_per_node)
         self.local_world = len(local_ranks)
-        self.pool.new_attempt(self.restart_count, self.sizes)
+        self.pool.new_attempt(self.restart_count, self.sizes,
+                              rescue_source(self.restart_count, self.rescued, self.run_dir, self.config.resume_from))
         for index, local_rank in enumerate(local_ranks):
             self.start_worker(local_rank, rank=self.config.rank_offset + index)
         for index in range(self.config.recovery.spares):
@@ -292,9 +312,10 @@ class Agent:
         return worker
 
     def job_workers(self) -> list[WorkerHandle]:
-        """Every live worker this agent answers for: its own and, on the leader, the other nodes'."""
+        """Every live worker this agent answers for: its own and, on the leader, the other nodes' (those it
+        gave up on as unkillable left out)."""
         remote = self.coordination.remote_workers() if self.coordination is not None else []
-        return [*self.pool.live(), *remote]
+        return [*self.pool.live(), *(w for w in remote if w.uid not in self.result.abandoned)]
 
     def ranked_workers(self) -> dict[int, Worker]:
         """Live workers that hold a rank, by the rank they were started as: idle spares and joiners
@@ -303,15 +324,38 @@ class Agent:
         return {w.slot.rank: w for w in self.pool.live() if not w.slot.joiner or w.uid in members}
 
     def stop_all(self, sig: int = signal.SIGTERM) -> None:
-        """Signal every live worker and give them --shutdown-timeout seconds before SIGKILL."""
-        for worker in self.job_workers():
-            worker.send_signal(sig)
-        if self.stop_deadline is None:
-            self.stop_deadline = time.monotonic() + self.config.shutdown_timeout
+        """Signal every live worker and give them --shutdown-timeout seconds before SIGKILL; SIGKILL at once
+        when ``sig`` is SIGKILL (also when a stop is under way)."""
+        now = time.monotonic()
+        if self.stopper is None:
+            self._stop(sig, now)
+        elif sig == signal.SIGKILL:
+            self.stopper.kill_now(now)
+
+    def _stop(self, sig: int, now: float, savers: Sequence[WorkerHandle] = ()) -> None:
+        """Begin stopping the workers: ``savers`` save their state first (a preemption), then ``sig``."""
+        stop = schedule(sig, now, self.config.shutdown_timeout, save=bool(savers))
+        self.stopper = Stopper(stop, self.job_workers, self.abandon, self.log, self.console, self.run_dir, savers)
 
     def stopping(self) -> bool:
         """Whether the attempt is being stopped."""
-        return self.stop_deadline is not None
+        return self.stopper is not None
+
+    def abandon(self, worker: WorkerHandle, waited: float) -> None:
+        """Stop waiting for a worker still there ``waited`` s after SIGKILL: report it (pid and process state),
+        and count it lost; outside a stop, the others recover without it."""
+        local = self.pool.get(worker.uid) is worker
+        state = _process_state(worker.pid) if local else "unknown (another node's)"
+        self.log.write(events.UNKILLABLE, uid=worker.uid, rank=worker.slot.rank, pid=worker.pid, state=state,
+                       waited=waited)
+        what = f"rank {worker.slot.rank} (pid {worker.pid}) is still there {waited:.0f} s after SIGKILL (state: {state})"
+        self.console.notice(f"ftrun: {what}; no longer waiting for it", style="bold red")
+        self.result.abandoned[worker.uid] = what
+        if local:
+            self.pool.abandon(worker.uid)
+        if not self.stopping():
+            self.workers_failed([(worker, WorkerFailure(worker.slot.rank, worker.slot.local_rank, worker.pid,
+                                                        -signal.SIGKILL, time.time(), what, ""))])
 
     def end_attempt(self, reason: str) -> None:
         """Kill every worker of this node now (SIGKILL): the attempt fails with ``reason`` (the first one given)."""
@@ -333,7 +377,7 @@ class Agent:
     def _watch(self) -> AttemptResult:
         """The event loop of one attempt: output, exits, control messages, mail, signals, deadlines."""
         result = self.result = AttemptResult()
-        self.stop_deadline = None
+        self.stopper = None
         while self.job_workers():
             for key, _ in self.selector.select(self.config.monitor_interval):
                 kind, data = key.data
@@ -341,6 +385,8 @@ class Agent:
                     self.pool.read_output(key.fileobj, *data)
                 elif kind == CHANNEL:
                     for message in self.pool.read_channel(data):
+                        if self.stopper is not None:
+                            self.stopper.on_message(data, message)
                         self.coordination.on_message(self.pool.get(data), message)
                 elif kind == EXIT:
                     self._on_exit(data)
@@ -351,10 +397,8 @@ class Agent:
                 elif kind == GPU:
                     self.gpu_health.drain()
             now = time.monotonic()
-            if self.stop_deadline is not None and now > self.stop_deadline:
-                for worker in self.job_workers():
-                    worker.send_signal(signal.SIGKILL)
-                self.stop_deadline = now + KILL_REPEAT
+            if self.stopper is not None:
+                self.stopper.tick(now)
             self.status.tick(now)
             fallback = self.coordination.tick(now)
             if fallback:
@@ -393,7 +437,9 @@ class Agent:
     def _on_exit(self, uid: int) -> None:
         code = self.pool.reap(uid)
         worker = self.pool.get(uid)
-        if code == 0 or self.stop_deadline is not None:
+        if worker.abandoned:
+            return  # given up on and counted lost already: it ended at last
+        if code == 0 or self.stopping():
             if code == 0:
                 self.coordination.on_finished(worker)
             return
@@ -403,10 +449,29 @@ class Agent:
 
     def _on_signals(self, received: list[int], result: AttemptResult) -> None:
         for sig in received:
-            if result.signal is not None:
-                for worker in self.job_workers():  # a second signal: no more waiting
-                    worker.send_signal(signal.SIGKILL)
-                continue
-            result.signal = sig
-            self.console.notice(f"ftrun: received {signal_name(sig)}, stopping the workers")
-            self.stop_all(sig)
+            act, why = on_signal(result.signal is not None, self.stopping(), len(self._savers()))
+            if result.signal is None:
+                result.signal = sig
+                self.console.notice(f"ftrun: received {signal_name(sig)}, stopping the workers: {why}")
+            else:
+                self.console.notice(f"ftrun: received {signal_name(sig)} again: {why}")
+            if act is OnSignal.KILL:
+                self.stop_all(signal.SIGKILL)
+            elif act is OnSignal.SAVE_THEN_STOP:
+                self._stop(sig, time.monotonic(), self._savers())
+            else:
+                self.stop_all(sig)
+
+    def _savers(self) -> list[WorkerHandle]:
+        """This node's live training workers that use the worker API: they can save their state before they
+        stop (an idle spare has none of its own)."""
+        c = self.coordination
+        return [w for w in self.pool.live() if c is not None and c.adopted(w.uid) and w.uid in c.plan.members]
+
+
+def _process_state(pid: int) -> str:
+    """A process's state as ps shows it (``disk-sleep`` for uninterruptible sleep), or why it is not known."""
+    try:
+        return psutil.Process(pid).status()
+    except psutil.Error as exc:
+        return f"unknown ({type(exc).__name__})"

@@ -13,6 +13,7 @@ import enum
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ftrun.protocol import RECOVERY_PHASES, Plan
@@ -74,6 +75,7 @@ class Rescue:
     deadline: float  # monotonic
     waiting: set[int]
     saved: dict[int, int] = field(default_factory=dict)  # uid -> committed step written
+    errors: dict[int, str] = field(default_factory=dict)  # uid -> why it could not write its state
 
 
 class Act(enum.Enum):
@@ -197,9 +199,22 @@ def rescue_outcome(rescue: Rescue, now: float) -> str | None:
     if rescue.waiting and now < rescue.deadline:
         return None
     best = max(rescue.saved.values(), default=-1)
-    if best < 0:
-        return rescue.reason
-    return f"{rescue.reason}; the state of step {best} was saved for the restart"
+    if best >= 0:
+        return f"{rescue.reason}; the state of step {best} was saved for the restart"
+    if rescue.errors:
+        return f"{rescue.reason}; no state could be saved for the restart: {next(iter(rescue.errors.values()))}"
+    return rescue.reason
+
+
+def rescue_source(attempt: int, rescued: bool, run_dir: Path, resume_from: Path | None) -> Path | None:
+    """The rescue directory attempt ``attempt``'s workers start from, or None (from scratch).
+
+    ``rescued``: an earlier attempt of this launch saved a state before its group restart (in ``run_dir``'s);
+    that is the newest. Else the state ``--resume-from`` names (an earlier launch's run directory), if any.
+    """
+    if attempt > 0 and rescued:
+        return run_dir / "rescue"
+    return resume_from / "rescue" if resume_from is not None else None
 
 
 def waiting_for(m: Membership, options: RecoveryOptions, recovery: Recovery | None, rescue: Rescue | None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from ftrun.config import LaunchConfig
 
@@ -18,12 +19,14 @@ def worker_env(
     run_dir: str,
     joiner: bool = False,
     node_sizes: tuple[int, ...] | None = None,
+    rescue_from: Path | None = None,
 ) -> dict[str, str]:
     """Build one worker's environment exactly as torchrun 2.14 does, plus FTRUN_* variables.
 
     ``uid`` is the worker's incarnation id, unique within a run; a spare gets the rank it would have if
     it joined now, and FTRUN_JOINER=1. ``node_sizes`` (training workers per node) defaults to the
     configuration's; an attempt started without evicted GPUs' workers passes its smaller sizes.
+    ``rescue_from``: the directory of rescued state the workers start from (FTRUN_RESCUE_FROM).
     """
     env = dict(os.environ)
     if "OMP_NUM_THREADS" not in env and config.nproc_per_node > 1:
@@ -55,6 +58,9 @@ def worker_env(
         FTRUN_RECOVERY="1" if config.recovery.enabled else "0",
         FTRUN_RECOVERY_DEADLINE=str(config.recovery.recovery_timeout + config.recovery.join_timeout),
     )
+    env.pop("FTRUN_RESCUE_FROM", None)
+    if rescue_from is not None:
+        env["FTRUN_RESCUE_FROM"] = str(rescue_from)
     if config.virtual_local_rank and "CUDA_VISIBLE_DEVICES" not in os.environ:
         env["CUDA_VISIBLE_DEVICES"] = str(local_rank)
     return env

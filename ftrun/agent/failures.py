@@ -44,6 +44,14 @@ class AttemptResult:
     signal: int | None = None
     failures: list[WorkerFailure] = field(default_factory=list)
     reason: str = ""
+    abandoned: dict[int, str] = field(default_factory=dict)  # uid -> the worker that would not die, in words
+
+    def why_no_restart(self) -> str | None:
+        """Why the group must not restart after this attempt, or None: a worker that would not die may
+        still hold its GPU and its files."""
+        if not self.abandoned:
+            return None
+        return f"{next(iter(self.abandoned.values()))}, and a new group would run beside it"
 
 
 def traceback_from_error_file(path: Path) -> tuple[str, str] | None:

@@ -62,6 +62,11 @@ class Follower:
         """A follower never restarts its group on its own."""
         return False
 
+    @property
+    def saved_step(self) -> int:
+        """A follower's workers save for a group restart only at the leader's word: the leader knows."""
+        return -1
+
     def adopted(self, uid: int) -> bool:
         """Whether worker ``uid`` joined through the worker API."""
         return uid in self.joined
@@ -135,7 +140,8 @@ class Follower:
         """Hangs of this node's workers, the lease, and a stop asked by the leader: the reason to stop, or None."""
         if self.control.stopping():
             return None
-        self.watchdog.kill_due()
+        for worker, waited in self.watchdog.kill_due():
+            self.control.abandon(worker, waited)
         stuck = self.watchdog.check([w.uid for w in self.local.live()])
         if stuck and self.stuck_told != self.plan.gen:  # the leader judges the job: are the other nodes stuck too?
             self.stuck_told = self.plan.gen

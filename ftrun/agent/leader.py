@@ -89,6 +89,11 @@ class Leader:
         """Whether the live workers are saving their state for a group restart."""
         return self.rescue is not None
 
+    @property
+    def saved_step(self) -> int:
+        """The step whose state the live workers saved for a group restart (-1: none)."""
+        return max(self.rescue.saved.values(), default=-1) if self.rescue is not None else -1
+
     def adopted(self, uid: int) -> bool:
         """Whether worker ``uid`` joined through the worker API."""
         return uid in self.members.adopted
@@ -137,7 +142,10 @@ class Leader:
             self.recovery.reports[uid] = message
         elif kind == protocol.SAVED and self.rescue is not None:
             self.rescue.waiting.discard(uid)
-            self.rescue.saved[uid] = message["step"]
+            if message.get("error"):
+                self.rescue.errors[uid] = str(message["error"])
+            else:
+                self.rescue.saved[uid] = message["step"]
         elif kind == protocol.PROGRESS:
             if not m.trained and self.setup.restarted_after is not None:
                 self.log.write(events.RESUMED, attempt=self.setup.attempt, step=message["step"],
@@ -203,13 +211,14 @@ class Leader:
             self.nodes.tick(now)  # also while stopping: a lost node's workers will never say they ended
         if self.control.stopping():
             return None
-        self.watchdog.kill_due()
+        for worker, waited in self.watchdog.kill_due():
+            self.control.abandon(worker, waited)
         if self.rescue is not None:
             reason = rescue_outcome(self.rescue, now)
             if reason is not None:
                 best = max(self.rescue.saved.values(), default=-1)
                 self.log.write(events.RESCUE, saved=self.rescue.saved, best_step=best,
-                               missing=sorted(self.rescue.waiting))
+                               missing=sorted(self.rescue.waiting), errors=self.rescue.errors, why="restart")
             return reason
         self.notices.progress(waiting_for(self.members, self.options, self.recovery, self.rescue, self._warming(), now))
         if self.recovery is None:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from collections import deque
 from pathlib import Path
 from string import Template
-from typing import IO
 
+from ftrun import events
+from ftrun.agent.ports import EventSink
 from ftrun.console import STDERR, STDOUT, Console
+from ftrun.dropped import DroppedWrites, append
 from ftrun.lines import LineBuffer
 
 _COLOURS = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta"]
@@ -22,6 +25,38 @@ def render_prefix(template: str, role: str, rank: int, local_rank: int, hostname
     )
 
 
+class LogFiles:
+    """Where every worker's log files go, and what a full disk made them drop (one account for all workers)."""
+
+    def __init__(self, console: Console, log: EventSink, where: Path) -> None:
+        self.log = log
+        self.dropped = DroppedWrites(f"the worker logs under {where}", console.notice)
+
+    def open(self, log_dir: Path) -> dict[int, int]:
+        """One worker's ``stdout.log`` and ``stderr.log`` in ``log_dir``, by stream: descriptors open for
+        appending; none when they cannot be made (the lines still reach the console)."""
+        files: dict[int, int] = {}
+        try:
+            log_dir.mkdir(parents=True, exist_ok=True)
+            for stream, name in ((STDOUT, "stdout.log"), (STDERR, "stderr.log")):
+                files[stream] = os.open(log_dir / name, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            self.dropped.failed(exc)
+        return files
+
+    def write(self, fd: int, data: bytes) -> None:
+        """Append ``data`` to one worker's log, or drop it (counted) when the disk refuses."""
+        try:
+            append(fd, data)
+        except OSError as exc:
+            self.dropped.failed(exc)
+            return
+        lost = self.dropped.lost()
+        if lost is not None:
+            self.log.write(events.WRITES_DROPPED, **lost)
+            self.dropped.recorded()
+
+
 class WorkerOutput:
     """Splits one worker's two streams into lines and routes each line to the console and its log file."""
 
@@ -32,6 +67,7 @@ class WorkerOutput:
         rank: int,
         to_console: int,
         log_dir: Path | None,
+        files: LogFiles,
     ) -> None:
         self.console = console
         self.prefix = prefix
@@ -39,10 +75,8 @@ class WorkerOutput:
         self.to_console = to_console
         self.lines = {STDOUT: LineBuffer(), STDERR: LineBuffer()}
         self.stderr_tail: deque[str] = deque(maxlen=TAIL_LINES)
-        self.files: dict[int, IO[bytes]] = {}
-        if log_dir is not None:
-            log_dir.mkdir(parents=True, exist_ok=True)
-            self.files = {STDOUT: open(log_dir / "stdout.log", "ab"), STDERR: open(log_dir / "stderr.log", "ab")}
+        self.log_files = files
+        self.files: dict[int, int] = files.open(log_dir) if log_dir is not None else {}
 
     def feed(self, stream: int, data: bytes) -> None:
         """Take a chunk read from a pipe; emit every complete line in it; empty ``data`` means EOF.
@@ -51,8 +85,7 @@ class WorkerOutput:
         after it is a progress bar's update, drawn in place at once.
         """
         if stream in self.files and data:
-            self.files[stream].write(data)
-            self.files[stream].flush()
+            self.log_files.write(self.files[stream], data)
         if not data:
             rest = self.lines[stream].rest()
             if rest:
@@ -78,8 +111,9 @@ class WorkerOutput:
         """Flush partial lines and close the log files."""
         for stream in (STDOUT, STDERR):
             self.feed(stream, b"")
-        for f in self.files.values():
-            f.close()
+        for fd in self.files.values():
+            os.close(fd)
+        self.files = {}
 
 
 def _last_segment(raw: bytes) -> str:

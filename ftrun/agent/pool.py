@@ -10,7 +10,7 @@ from typing import Any
 
 from ftrun import events
 from ftrun.agent.env import worker_env
-from ftrun.agent.output import WorkerOutput, render_prefix
+from ftrun.agent.output import LogFiles, WorkerOutput, render_prefix
 from ftrun.agent.ports import EventSink
 from ftrun.agent.workers import Worker, WorkerSlot, spawn_worker
 from ftrun.config import LaunchConfig
@@ -38,10 +38,12 @@ class WorkerPool:
         self.outputs: dict[int, WorkerOutput] = {}
         self.attempt = 0
         self.sizes = config.sizes
+        self.rescue_from: Path | None = None
         self.first_uid = config.node_rank * UID_STRIDE
         self.next_uid = self.first_uid
         self.dropped = 0
         """Lines on the workers' control channels that were not a message the agent knows (and ignored)."""
+        self.log_files = LogFiles(console, events, run_dir)
 
     # ------------------------------------------------------------ the ports' side
     def get(self, uid: int) -> Worker | None:
@@ -53,15 +55,21 @@ class WorkerPool:
         return list(self.workers.values())
 
     def live(self) -> list[Worker]:
-        """This node's workers that have not ended."""
-        return [w for w in self.workers.values() if w.exitcode is None]
+        """This node's workers that have not ended (those given up on as unkillable left out)."""
+        return [w for w in self.workers.values() if w.exitcode is None and not w.abandoned]
+
+    def abandon(self, uid: int) -> None:
+        """Give up on worker ``uid``, which will not die: it no longer counts as live."""
+        self.workers[uid].abandoned = True
 
     # ------------------------------------------------------------ attempts
-    def new_attempt(self, attempt: int, sizes: tuple[int, ...]) -> None:
-        """Forget the workers of the previous attempt (all closed); ``sizes``: training workers per node."""
+    def new_attempt(self, attempt: int, sizes: tuple[int, ...], rescue_from: Path | None) -> None:
+        """Forget the workers of the previous attempt (all closed); ``sizes``: training workers per node;
+        ``rescue_from``: the rescue directory the new workers start from, if any."""
         self.workers.clear()
         self.attempt = attempt
         self.sizes = sizes
+        self.rescue_from = rescue_from
         self.next_uid = self.first_uid
 
     def start(self, local_rank: int, rank: int | None, respawn_of: WorkerSlot | None = None) -> Worker:
@@ -78,7 +86,7 @@ class WorkerPool:
                                                                   else f"{local_rank}.{uid - self.first_uid}")
         env = worker_env(config, rank=shown_rank, local_rank=local_rank, uid=uid, restart_count=self.attempt,
                          store_port=config.store.port, run_dir=str(self.run_dir), joiner=joiner,
-                         node_sizes=self.sizes)
+                         node_sizes=self.sizes, rescue_from=self.rescue_from)
         worker = spawn_worker(slot, config.command, env, attempt_dir / "error.json")
         prefix = render_prefix(config.log_line_prefix_template, config.role, shown_rank, local_rank, config.node_name)
         if joiner and respawn_of is None:
@@ -87,7 +95,7 @@ class WorkerPool:
         console_mask &= ~config.redirects.get(local_rank, 0)
         self.workers[uid] = worker
         self.outputs[uid] = WorkerOutput(self.console, prefix, shown_rank, console_mask,
-                                         attempt_dir if config.log_dir else None)
+                                         attempt_dir if config.log_dir else None, self.log_files)
         for stream, pipe in ((STDOUT, worker.proc.stdout), (STDERR, worker.proc.stderr)):
             os.set_blocking(pipe.fileno(), False)
             self.selector.register(pipe, selectors.EVENT_READ, (OUTPUT, (uid, stream)))

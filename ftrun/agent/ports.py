@@ -79,6 +79,9 @@ class WorkerControl(Protocol):
     def stopping(self) -> bool:
         """Whether the attempt is being stopped (no fault is recovered from any more)."""
 
+    def abandon(self, worker: WorkerHandle, waited: float) -> None:
+        """Give up on a worker still there ``waited`` seconds after SIGKILL: report it, and count it lost."""
+
     def workers_failed(self, faults: list[tuple[WorkerHandle, WorkerFailure]]) -> None:
         """Workers failed together: recover in place if the coordination can, else end the attempt."""
 
@@ -145,6 +148,10 @@ class Coordination(Protocol):
     @property
     def restarting(self) -> bool:
         """Whether the group is about to restart (its live workers are saving their state)."""
+
+    @property
+    def saved_step(self) -> int:
+        """The step whose state this attempt's workers saved for a group restart (-1: none)."""
 
     def adopted(self, uid: int) -> bool:
         """Whether worker ``uid`` joined through the worker API."""

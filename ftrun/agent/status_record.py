@@ -40,7 +40,8 @@ evicted (None where unknown); an empty dict where there is no GPU."""
 
 
 def worker_state(exitcode: int | None, member: bool, spare: bool, recovering: bool, hung: bool) -> str:
-    """One word for what a worker is doing: running, recovering, hung, spare, joining, finished or lost."""
+    """One word for what a worker is doing: running, recovering, hung, spare, joining, finished or lost (and
+    ``unkillable``, set by the caller, for one still there after SIGKILL that ftrun gave up on)."""
     if exitcode is not None:
         return "finished" if exitcode == 0 else "lost"
     if hung:
@@ -145,7 +146,7 @@ class StatusPublisher:
             rdzv_id=self.run.rdzv_id, run_id=self.run.run_id, run_dir=self.run.run_dir, nnodes=self.run.nnodes,
             world_size_initial=self.run.world_size, world_size=coordination.plan.world_size,
             generation=coordination.plan.gen, recovering=coordination.recovering,
-            restarting=coordination.restarting, step=step, steps_per_s=self._rate(now, step), time=now)
+            restarting=coordination.restarting, step=step, steps_per_s=self._rate(time.monotonic(), step), time=now)
         return summary
 
     def _worker(self, worker: Worker, gpu: dict[str, Any] | None) -> dict[str, Any]:
@@ -155,8 +156,9 @@ class StatusPublisher:
         if rank is not None:
             self.last_rank[uid] = rank
         progress = coordination.watchdog.progress.get(uid) if worker.exitcode is None else None
-        state = worker_state(worker.exitcode, rank is not None, worker.slot.joiner,
-                             coordination.recovering, uid in coordination.watchdog.killing)
+        state = "unkillable" if worker.abandoned else worker_state(
+            worker.exitcode, rank is not None, worker.slot.joiner, coordination.recovering,
+            uid in coordination.watchdog.killing)
         cpu, rss = self._usage(worker.pid) if worker.exitcode is None else (None, None)
         return {"uid": uid, "rank": self.last_rank.get(uid), "local_rank": worker.slot.local_rank,
                 "pid": worker.pid, "state": state, "exit": exit_reason(worker.exitcode),
@@ -178,7 +180,8 @@ class StatusPublisher:
             return None, None
 
     def _rate(self, now: float, step: int | None) -> float | None:
-        """Committed steps per second over the last RATE_WINDOW seconds."""
+        """Committed steps per second over the last RATE_WINDOW seconds (``now``: monotonic, so that a step of
+        the wall clock is no burst or stall of training)."""
         if step is None:
             self.rates.clear()
             return None

@@ -1,22 +1,29 @@
 """The agent's hang watchdog: notices a rank that stopped making progress, dumps its stacks, kills it.
 
-The kill turns a hang into the fault every other path already handles: the survivors recover in place.
+The kill turns a hang into the fault every other path already handles: the survivors recover in place. A
+rank is killed once: until it has ended, nothing is judged again (its peers wait for it inside a collective),
+and one still there :data:`~ftrun.agent.shutdown.KILL_WAIT` seconds after SIGKILL is handed back as
+unkillable, for the agent to give up on.
 """
 
 from __future__ import annotations
 
-import math
 import signal
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import psutil
 
 from ftrun import events
 from ftrun.agent.ports import EventSink, LocalWorkers, Notices
+from ftrun.agent.shutdown import KILL_WAIT
 from ftrun.health.hangs import HangPolicy, RankActivity, hang_timeout, hung_ranks
 from ftrun.protocol import STACK_DUMP_SIGNAL
+
+if TYPE_CHECKING:
+    from ftrun.agent.workers import Worker
 
 DUMP_GRACE = 0.5  # seconds between the stack dump request and the kill
 
@@ -40,6 +47,7 @@ class HangWatchdog:
         self.policy = policy
         self.progress: dict[int, _Progress] = {}
         self.killing: dict[int, float] = {}  # uid -> when to SIGKILL it (after its stack dump)
+        self.killed: dict[int, float] = {}  # uid -> when it got SIGKILL, until it is seen to have ended
 
     def started(self, uid: int) -> None:
         """A worker joined through the API: its clock starts now."""
@@ -67,21 +75,28 @@ class HangWatchdog:
             if uid in self.progress:
                 self.progress[uid].last = now
 
-    def kill_due(self) -> None:
-        """SIGKILL the hung workers whose stack dump had its time; forget those the agent has seen end."""
+    def kill_due(self) -> list[tuple[Worker, float]]:
+        """SIGKILL the hung workers whose stack dump had its time; return those still there KILL_WAIT s after
+        their SIGKILL, with the seconds since (each once): they will not die."""
         now = time.monotonic()
         for uid, when in list(self.killing.items()):
-            worker = self.workers.get(uid)
-            if worker.exitcode is not None:
+            if now >= when:
                 del self.killing[uid]
-            elif now >= when:
-                worker.send_signal(signal.SIGKILL)
-                # Until its exit is seen it still counts as a member: judged now, it would be hung again.
-                self.killing[uid] = math.inf
+                self.workers.get(uid).send_signal(signal.SIGKILL)
+                self.killed[uid] = now
+        unkillable = []
+        for uid, when in list(self.killed.items()):
+            worker = self.workers.get(uid)
+            if worker.exitcode is not None or worker.abandoned:
+                del self.killed[uid]
+            elif now - when >= KILL_WAIT:
+                del self.killed[uid]
+                unkillable.append((worker, round(now - when, 3)))
+        return unkillable
 
     def check(self, members: list[int]) -> str | None:
         """Start dumping and killing hung members (recovery follows their death); a reason if all are stuck."""
-        if self.killing:
+        if self.killing or self.killed:
             return None  # judge again once the culprits are gone and the survivors have recovered
         now = time.monotonic()
         activity = {uid: self._activity(uid, now) for uid in members if uid in self.progress}

@@ -37,6 +37,7 @@ class Worker:
     exitcode: int | None = None
     exited_at: float | None = None
     channel_lines: LineBuffer = field(default_factory=LineBuffer)
+    abandoned: bool = False  # still there after SIGKILL and given up on: counted lost, no longer waited for
 
     @property
     def uid(self) -> int:
@@ -81,7 +82,10 @@ class Worker:
 def spawn_worker(slot: WorkerSlot, command: list[str], env: dict[str, str], error_file: Path) -> Worker:
     """Start one worker in its own session with a control socket inherited as FTRUN_CHANNEL_FD."""
     agent_end, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    error_file.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        error_file.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        pass  # a full disk: the worker cannot leave an error file, its failure is told from its stderr instead
     env = dict(env, FTRUN_CHANNEL_FD=str(worker_end.fileno()), TORCHELASTIC_ERROR_FILE=str(error_file))
     proc = subprocess.Popen(
         command,

@@ -67,7 +67,8 @@ def decode(line: str) -> LaunchConfig:
         fields = dict(data["config"])
         fields["store"] = Endpoint(**fields["store"])
         fields["recovery"] = RecoveryConfig(**fields["recovery"])
-        fields["log_dir"] = None if fields["log_dir"] is None else Path(fields["log_dir"])
+        for name in ("log_dir", "resume_from"):
+            fields[name] = None if fields[name] is None else Path(fields[name])
         for name in ("redirects", "tee"):
             fields[name] = {int(rank): int(mask) for rank, mask in fields[name].items()}
         if fields["local_ranks_filter"] is not None:

@@ -31,7 +31,7 @@ def live_document(job: dict[str, Any], nodes: list[dict[str, Any]], endpoint: st
     workers = [_worker_row(node, worker) for node in nodes for worker in node["workers"]]
     state = "restarting" if job.get("restarting") else "recovering" if job.get("recovering") else "running"
     degraded = (state != "running" or job["world_size"] < job["world_size_initial"]
-                or any(w["state"] == "hung" for w in workers))
+                or any(w["state"] in ("hung", "unkillable") for w in workers))
     events = sorted((e for node in nodes for e in node["events"]), key=lambda e: e["time"])[-RECENT_EVENTS:]
     doc.update(source="live", endpoint=endpoint, state=state, health="degraded" if degraded else "healthy",
                uptime=now - job["started"] if job.get("started") else None,

@@ -14,8 +14,8 @@ from ftrun.tally import RECOVERY_PHASES
 
 NONE = "-"
 HEALTH_STYLE = {"healthy": "bold green", "degraded": "bold yellow", "ended": "bold"}
-STATE_STYLE = {"running": "green", "recovering": "yellow", "hung": "bold red", "lost": "red", "spare": "cyan",
-               "joining": "cyan", "finished": "dim", "stopped": "dim"}
+STATE_STYLE = {"running": "green", "recovering": "yellow", "hung": "bold red", "unkillable": "bold red", "lost": "red",
+               "spare": "cyan", "joining": "cyan", "finished": "dim", "stopped": "dim"}
 
 
 def duration(seconds: float | None) -> str:
@@ -129,6 +129,9 @@ DESCRIPTIONS: dict[str, Callable[[dict[str, Any]], str]] = {
     "recovery_failed": lambda e: f"in-place recovery failed: {e.get('reason')}",
     "link_fault": lambda e: f"gen {e.get('gen')}: {e.get('action')}" + (f" ranks {e['ranks']}" if e.get("ranks")
                                                                          else "") + f" ({e.get('reason')})",
+    "unkillable": lambda e: f"{_rank(e)} still there {e.get('waited')} s after SIGKILL ({e.get('state')}): "
+                            "counted lost",
+    "writes_dropped": lambda e: f"{e.get('count')} writes to {e.get('what')} dropped: {e.get('error')}",
     "joiner_lost": lambda e: f"joiner {e.get('uid')} lost before it was placed: {e.get('how')}",
     "rescue": lambda e: f"state saved for the group restart (best step {_or_none(e.get('best_step'))})",
     "group_failure": lambda e: str(e.get("reason")),

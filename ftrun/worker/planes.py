@@ -25,7 +25,6 @@ import os
 import socket
 import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -38,10 +37,7 @@ from ftrun.protocol import Plan
 from ftrun.store import keys
 from ftrun.store.client import open_client
 from ftrun.worker import backends, links
-
-
-class Superseded(Exception):
-    """A newer generation arrived while this one was being formed or used."""
+from ftrun.worker.interruptible import InterruptibleStore, StoreTimeout, Superseded
 
 
 def _tcp_fds() -> set[int]:
@@ -117,10 +113,17 @@ class Planes:
                         lambda uid: keys.probe_result(self.attempt, plan.gen, uid),
                         lambda waited: self._wait_keys(waited, superseded))
         self.store.set(keys.arrived(self.attempt, plan.gen, self.uid), "1")
-        self._wait_keys([keys.arrived(self.attempt, plan.gen, uid) for uid in plan.members], superseded)
+        arrived = {uid: keys.arrived(self.attempt, plan.gen, uid) for uid in plan.members}
+        try:
+            self._wait_keys(list(arrived.values()), superseded)
+        except StoreTimeout:
+            missing = [uid for uid, key in arrived.items() if not self.store.check([key])]
+            raise RuntimeError(f"ftrun: worker{'s' if len(missing) > 1 else ''} {missing} did not reach generation "
+                               f"{plan.gen}'s barrier within {self.timeout.total_seconds():g} s (the process group "
+                               "timeout of ftrun.init)") from None
         self.abort()
         self._retire()
-        self._form(f"g{plan.gen}", plan.gen, plan.rank_of(self.uid), plan.world_size)
+        self._form(f"g{plan.gen}", plan.gen, plan.rank_of(self.uid), plan.world_size, superseded)
 
     def abort(self) -> None:
         """Make every collective in flight on the current planes fail now, here and on their peers.
@@ -161,11 +164,16 @@ class Planes:
         if dist.is_initialized():
             dist.destroy_process_group()
 
-    def _form(self, name: str, gen: int, rank: int | None, world_size: int) -> None:
-        """Form the data and control groups at once, each on its own store prefix."""
+    def _form(self, name: str, gen: int, rank: int | None, world_size: int,
+              superseded: Callable[[], bool] = lambda: False) -> None:
+        """Form the data and control groups at once, each on its own store prefix; a newer plan ends their
+        rendezvous (:class:`Superseded`) where it goes through the store (Gloo; NCCL reads it later)."""
         before, hook = _tcp_fds(), sys.excepthook
-        store = dist.PrefixStore(keys.group_prefix(self.attempt, name), self.store)
-        control_store = dist.PrefixStore(keys.group_prefix(self.attempt, f"{name}/control"), self._control_store)
+        store: dist.Store = dist.PrefixStore(keys.group_prefix(self.attempt, name), self.store)
+        if "nccl" not in self.backend:  # Gloo's rendezvous runs inside init, through this view; NCCL's is not
+            store = InterruptibleStore(store, superseded)  # served to C++ threads through Python
+        control_store = InterruptibleStore(
+            dist.PrefixStore(keys.group_prefix(self.attempt, f"{name}/control"), self._control_store), superseded)
         control: list[dist.ProcessGroup] = []
         failure: list[BaseException] = []
 
@@ -180,20 +188,22 @@ class Planes:
         try:
             dist.init_process_group(self.backend, store=store, rank=rank, world_size=world_size,
                                     timeout=self.timeout, **backends.init_options(self.backend))
+        except Exception:
+            if superseded():  # torch may hand the store's Superseded back as an error of its own
+                raise Superseded(name) from None
+            raise
         finally:
             thread.join()
         sys.excepthook = hook  # torch's would stack a "[rankN]:" prefix per group; the agent prefixes lines
         if failure:
-            raise failure[0]
+            raise Superseded(name) if superseded() else failure[0]
         with self._lock:
             self.current = Generation(gen, dist.group.WORLD, control[0], _tcp_fds() - before)
 
     def _wait_keys(self, keys: list[str], superseded: Callable[[], bool]) -> None:
-        """Wait for every key, checking for a newer plan between short polls (store waits cannot be cut)."""
-        while not self.store.check(keys):
-            if superseded():
-                raise Superseded(keys[0])
-            time.sleep(0.001)
+        """Wait for every key up to the process group timeout (:class:`StoreTimeout`), ending at once with
+        :class:`Superseded` when a newer plan comes (torch's own store waits cannot be cut short)."""
+        InterruptibleStore(self.store, superseded).wait(keys, self.timeout)
 
 
 def is_cpu(tensor: torch.Tensor) -> bool:

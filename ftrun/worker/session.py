@@ -25,7 +25,8 @@ from ftrun.worker import backends, transfer
 from ftrun.worker.channel import AgentChannel
 from ftrun.worker.injected import WorkerDrills
 from ftrun.worker.links import LinkFailure
-from ftrun.worker.planes import Planes, Superseded
+from ftrun.worker.interruptible import Superseded
+from ftrun.worker.planes import Planes
 from ftrun.worker.steps import CollectiveFailed, StepCollectives
 from ftrun.worker.state import Stateful, best_rescue, load_into, save_rescue, snapshot
 
@@ -213,26 +214,33 @@ class Session:
         self.collectives.complete(pending)
 
     def _save_rescue(self) -> None:
-        """The agent gave up recovering in place: keep this worker's last committed state for the restart.
+        """The agent asks (before a group restart, or as ftrun is stopped): keep this worker's last committed
+        state; a state that cannot be written (a full disk) is answered with the reason.
 
         On a thread of its own: a state transfer may hold the state lock, and the channel thread must
         stay free to deliver plans meanwhile.
         """
         with self._state_lock:
             step = self.committed_step
-            save_rescue(self.protected, step, self._rescue_dir / f"{self.uid}.pt")
+            try:
+                save_rescue(self.protected, step, self._rescue_dir / f"{self.uid}.pt")
+            except (OSError, RuntimeError) as exc:
+                self.channel.send(protocol.SAVED, step=step, error=(str(exc).splitlines() or [repr(exc)])[0])
+                return
         self.channel.send(protocol.SAVED, step=step)
 
     def _restore_rescue(self) -> None:
-        """After a group restart, start from the best state the previous attempt rescued, if any."""
-        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" and self._rescue_dir.is_dir():
-            best = best_rescue(self._rescue_dir)
+        """Start from the best state in the directory the agent names (FTRUN_RESCUE_FROM: the previous
+        attempt's rescue after a group restart, an earlier launch's with --resume-from), if any."""
+        source = Path(os.environ.get("FTRUN_RESCUE_FROM", ""))
+        if source.name and source.is_dir():
+            best = best_rescue(source)
             if best is not None:
                 with self._state_lock:
                     self.committed_step = load_into(best, self.protected)
                 if self.rank == 0:
-                    print(f"ftrun: resuming from the state of step {self.committed_step} rescued before the "
-                          "restart", file=sys.stderr, flush=True)
+                    print(f"ftrun: resuming from the state of step {self.committed_step} saved in {source}",
+                          file=sys.stderr, flush=True)
 
     @property
     def _rescue_dir(self) -> Path:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 import torch
 
@@ -34,11 +34,43 @@ def load_into(data: dict[str, Any], objects: dict[str, Stateful]) -> int:
 
 
 def save_rescue(objects: dict[str, Stateful], step: int, path: Path) -> None:
-    """Write the state of ``step`` to ``path`` atomically: kept for a group restart after a failed recovery."""
+    """Write the state of ``step`` to ``path`` atomically: kept for a group restart or a next launch.
+
+    OSError when it cannot be written (a full disk), and no partial file is left behind.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".partial")
-    torch.save(snapshot(objects, step), partial)
-    os.replace(partial, path)
+    try:
+        with open(partial, "wb") as f:
+            target = _KeepsWriteError(f)
+            try:
+                torch.save(snapshot(objects, step), target)
+            except RuntimeError:
+                if target.error is not None:  # torch reports a failed write as an opaque "enforce fail"
+                    raise target.error from None
+                raise
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+
+
+class _KeepsWriteError:
+    """A binary file that keeps the first error its writes raised."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self.file = file
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
 
 
 def best_rescue(directory: Path) -> dict[str, Any] | None:

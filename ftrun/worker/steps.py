@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ftrun.worker.planes import Superseded
+from ftrun.worker.interruptible import Superseded
 
 FOLDABLE = (torch.float32, torch.float64)  # bucket dtypes that carry a loss without rounding it much
 

@@ -26,7 +26,8 @@ def launcher_config() -> LaunchConfig:
         redirects={0: 3, 1: 2}, tee={3: 1}, local_ranks_filter={0, 2}, signals_to_handle=[signal.SIGTERM],
         recovery=RecoveryConfig(respawn=True, spares=1, min_nproc=2, recovery_timeout=12.5, hang_timeout=40.0),
         node_sizes=(4, 2), hosts=[Host("node0", 4), Host("node1", 2)], node_timeout=7.0,
-        xid_table={13: (Action.EVICT_GPU, "graphics engine exception"), 79: (Action.EVICT_NODE, "fallen off")})
+        xid_table={13: (Action.EVICT_GPU, "graphics engine exception"), 79: (Action.EVICT_NODE, "fallen off")},
+        resume_from=Path("/runs/job6_0123abcd"))
 
 
 def test_each_agent_gets_the_launchers_configuration_with_its_own_part_filled_in():

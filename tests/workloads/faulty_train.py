@@ -60,6 +60,10 @@ def plant(kind: str, step: int, uid: int, training: train_ddp.Training, current:
     if kind == "allreduce":
         first = next(iter(training.model.module.parameters()))
         first.register_hook(lambda grad: die())
+    if kind == "freeze":
+        freezer = Path(os.environ["FREEZER"])
+        (freezer / "cgroup.procs").write_text(str(os.getpid()))
+        (freezer / "freezer.state").write_text("FROZEN")  # this process stops here, in state D
     if kind == "recovery":
         original = planes.Planes.form
         planes.Planes.form = lambda self, plan, superseded: die() if plan.gen >= 1 else original(
