@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401 -- imported before any group exists, on purpose: see Session._shut_down
 from torch.nn.parallel import DistributedDataParallel
 
 from ftrun import protocol
@@ -375,8 +376,22 @@ class Session:
             model.register_comm_hook(dist.group.WORLD, self.collectives.hook)
 
     def _shut_down(self) -> None:
-        """At exit, while the interpreter is whole: shut the current planes down, so no backend thread is
-        left running into the interpreter's teardown (an aborted generation is released or left alone)."""
+        """At exit, while the interpreter is whole: free the current planes, so that their destructors join
+        the backends' threads now (an aborted generation is released or left alone).
+
+        A Gloo worker thread releases its last work a moment after waking the thread that waited for it, and
+        the release takes the GIL (the work's future drops its Python done-callbacks, a tensor the script
+        dropped meanwhile drops its Python object). Once the interpreter has begun to finalize, CPython ends
+        such a thread with pthread_exit, whose unwinding through pybind11's noexcept destructors calls
+        std::terminate: SIGABRT, "terminate called without an active exception", after a run that succeeded.
+        Destroying the default group alone joins nothing while each DDP keeps it alive through its reducer,
+        its logger and its ``process_group``: they are dropped first (no model trains after exit). So would
+        ``torch.distributed.nn.functional``, whose functions bind ``group.WORLD`` as a default argument when
+        it is imported (DDP imports it): this module imports it before any group is formed.
+        """
+        for model, _ in self._ddps:
+            for holder in ("reducer", "logger", "process_group"):
+                model.__dict__.pop(holder, None)
         if self.planes is not None:
             self.planes.destroy()
         elif dist.is_initialized():
