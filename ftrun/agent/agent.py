@@ -123,7 +123,13 @@ class Agent:
         self.log.write(events.START, run_id=config.run_id, command=config.command, node=config.node_rank,
                        nproc=config.nproc_per_node, world_size=config.world_size, store_port=config.store.port)
         if self.leader:
-            write_secret_file(self.run_dir / "secret", config.secret)  # for `ftrun status --secret-file`
+            try:
+                write_secret_file(self.run_dir / "secret", config.secret)  # for `ftrun status --secret-file`
+            except OSError as exc:  # a full disk: the job goes on; this machine's registry still holds the secret
+                (self.run_dir / "secret").unlink(missing_ok=True)
+                self.console.notice(f"ftrun: cannot write {self.run_dir / 'secret'} ({exc.strerror or exc}): "
+                                    "`ftrun status` and `ftrun inject` from another machine cannot be given the "
+                                    "run's secret (--secret-file)", style="yellow")
         try:
             with SignalWake(handled) as wake:
                 self.selector.register(wake.fd, selectors.EVENT_READ, (SIGNAL, wake))
@@ -159,14 +165,14 @@ class Agent:
     def _run_attempts(self, mail_w: int) -> int:
         while True:
             self._start_group()
+            if self.store is None:  # while the workers start (and import torch); registered once it answers
+                self.store = self._open_store(mail_w)
+                for text, style in startup_notices():  # torch is loaded now (for the store): nothing imported for this
+                    self.console.notice(text, style=style)
             pids = " ".join(str(w.pid) for w in self.pool.all())
             self.console.notice(f"ftrun: run {self.config.run_id}, attempt {self.restart_count}: "
                                 f"{len(self.pool.all())} workers (pids {pids}); events in {self.run_dir}/events.jsonl",
                                 style="dim")
-            if self.store is None:
-                self.store = self._open_store(mail_w)
-                for text, style in startup_notices():  # torch is loaded now (for the store): nothing imported for this
-                    self.console.notice(text, style=style)
             self.coordination = self._coordination()
             self.status.coordination, self.status.attempt = self.coordination, self.restart_count
             for worker in self.pool.all():

@@ -24,6 +24,7 @@ def test_a_full_log_disk_drops_the_logs_and_the_job_still_recovers_in_place(run_
     notices = [line for line in run.stderr.splitlines() if line.startswith("ftrun: cannot ")]
     assert [line.split(" (")[0] for line in notices] == [
         f"ftrun: cannot write the event log {run.run_dir / 'events.jsonl'}",
+        f"ftrun: cannot write {run.run_dir / 'secret'}",
         "ftrun: cannot enter this run in the run registry",
         f"ftrun: cannot write the worker logs under {run.run_dir}"], why  # each said once, in the order met
     assert all(ENOSPC in line for line in notices), why
