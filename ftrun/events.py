@@ -38,8 +38,9 @@ class EventKind:
 
 START = EventKind("start", ("run_id", "command", "node", "nproc", "world_size", "store_port"))
 """An agent started (one per node)."""
-WORKER_START = EventKind("worker_start", ("uid", "rank", "local_rank", "pid", "joiner", "attempt", "node"))
-"""A worker process started; ``joiner``: a spare or replacement that waits to be placed."""
+WORKER_START = EventKind("worker_start", ("uid", "rank", "local_rank", "pid", "joiner", "attempt", "node"), ("forked",))
+"""A worker process started; ``joiner``: a spare or replacement that waits to be placed; ``forked``: by the
+fork server (else started as a new process)."""
 WORKER_EXIT = EventKind("worker_exit", ("uid", "rank", "pid", "exitcode", "node"))
 """A worker process ended; ``exitcode`` < 0 means killed by that signal."""
 FAULT = EventKind("fault", ("uid", "rank", "pid", "how", "message", "gen"))
@@ -77,13 +78,17 @@ NODE_LOST = EventKind("node_lost", ("node", "reason", "ranks"))
 """The leader declared a node lost (its lease ran out, or its agent ended)."""
 FENCED = EventKind("fenced", ("reason",))
 """A follower stopped its own workers: it lost its lease, or the leader evicted it."""
+FORK_SERVER = EventKind("fork_server", ("pid", "state", "reason", "node"), ("seconds", "modules"))
+"""The node's fork server is ``ready`` (its imports took ``seconds``), ``unusable`` (``reason``: workers start as
+new processes) or ``gone`` (it stopped answering; later workers start as new processes)."""
 GPU_HEALTH = EventKind("gpu_health", ("kind", "gpu", "local_rank", "value", "action", "reason", "source", "detail",
                                       "pids"))
 """A GPU health signal (NVML, or a drill) and the action taken on the workers using that GPU."""
 
 KINDS: dict[str, EventKind] = {kind.name: kind for kind in (
     START, WORKER_START, WORKER_EXIT, FAULT, GENERATION, RECOVERY, RECOVERY_REFUSED, RECOVERY_FAILED, RESCUE,
-    JOINER_READY, JOINER_LOST, GROUP_FAILURE, PROGRESS, RESUMED, ATTEMPT_END, END, HANG, INJECT, NODE_LOST, FENCED, GPU_HEALTH)}
+    JOINER_READY, JOINER_LOST, GROUP_FAILURE, PROGRESS, RESUMED, ATTEMPT_END, END, HANG, INJECT, NODE_LOST, FENCED, GPU_HEALTH,
+    FORK_SERVER)}
 """Every kind of event, by name."""
 
 

@@ -7,6 +7,19 @@ import os
 from ftrun.config import LaunchConfig
 
 
+def launch_env(config: LaunchConfig) -> dict[str, str]:
+    """What every worker of this launch has in its environment: this process's, with torchrun's defaults.
+
+    The fork server runs with exactly this (its imports see what a worker's would); each worker's own
+    variables (:func:`worker_env`) come on top.
+    """
+    env = dict(os.environ)
+    if "OMP_NUM_THREADS" not in env and config.nproc_per_node > 1:
+        env["OMP_NUM_THREADS"] = "1"
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    return env
+
+
 def worker_env(
     config: LaunchConfig,
     *,
@@ -25,10 +38,7 @@ def worker_env(
     it joined now, and FTRUN_JOINER=1. ``node_sizes`` (training workers per node) defaults to the
     configuration's; an attempt started without evicted GPUs' workers passes its smaller sizes.
     """
-    env = dict(os.environ)
-    if "OMP_NUM_THREADS" not in env and config.nproc_per_node > 1:
-        env["OMP_NUM_THREADS"] = "1"
-    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    env = launch_env(config)
     sizes = config.sizes if node_sizes is None else node_sizes
     world, local_world = sum(sizes), sizes[config.node_rank]
     env.update(
