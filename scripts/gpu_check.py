@@ -1,45 +1,125 @@
-"""One GPU, NCCL: form a group through ftrun's Communicator, abort it, re-form it (world size 1), time each.
+"""One GPU, NCCL: ftrun's two planes, its step path and its state manifest on CUDA, each timed and checked.
 
-Run by scripts/gpu_check.sh on a machine with a GPU; prints one line per phase and the torch/NCCL versions.
+Run by scripts/gpu_check.sh on a machine with a GPU. World size 1 (NCCL allows one rank per GPU):
+
+1. the planes: generation 0 formed through ftrun's ``Planes`` (NCCL data group with eager init, Gloo control
+   group), a collective on each, the abort of both, generation 1 formed, collectives again, the stale one
+   released;
+2. the step path on CUDA tensors: stock DDP with ftrun's comm hook (1 MB buckets, the last one held back
+   and summed with the loss in ``finish``), against the gradients and loss of the same model without DDP;
+3. the transfer's manifest of a CUDA model and Adam state: which tensors travel on the data plane, the
+   receiver's in-place targets on the GPU.
+
+Prints one line per check, the torch and NCCL versions and the backend class "nccl" resolved to.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from ftrun.protocol import Plan
-from ftrun.worker.group import Communicator
+from ftrun.worker import backends, transfer
+from ftrun.worker.planes import Planes
+from ftrun.worker.state import snapshot
+from ftrun.worker.steps import StepCollectives
 
 
-def timed(label: str, action) -> None:
+def timed(label: str, action: Callable[[], object]) -> None:
     start = time.perf_counter()
     action()
     torch.cuda.synchronize()
-    print(f"{label:<28} {1000 * (time.perf_counter() - start):8.1f} ms", flush=True)
+    print(f"{label:<52} {1000 * (time.perf_counter() - start):8.1f} ms", flush=True)
 
 
-def all_reduce_once() -> None:
-    tensor = torch.ones(1 << 20, device="cuda")
-    dist.all_reduce(tensor)
-    assert float(tensor[0]) == 1.0, "a world of one must leave the tensor unchanged"
+def collectives_on_both_planes(planes: Planes) -> None:
+    data = torch.ones(1 << 20, device="cuda")
+    dist.all_reduce(data)
+    gathered = [torch.zeros(1, dtype=torch.int64)]
+    planes.control.allgather([gathered], [torch.tensor([7])]).wait()
+    assert float(data[0]) == 1.0 and int(gathered[0]) == 7, "a world of one must leave the tensors as they were"
+
+
+def check_planes(store: dist.TCPStore) -> Planes:
+    planes = Planes(store, attempt=0, uid=0, backend="nccl", timeout=timedelta(seconds=60))
+    timed("form generation 0 (NCCL data, Gloo control)", lambda: planes.form(Plan(0, [0]), lambda: False))
+    impl = type(dist.group.WORLD._get_backend(torch.device("cuda"))).__name__
+    print(f"data plane: {dist.get_backend()} ({impl}), eager init: {backends.init_options('nccl')}; "
+          f"control plane: {type(planes.control).__name__}; TORCH_NCCL_ASYNC_ERROR_HANDLING="
+          f"{backends.NCCL_ENV['TORCH_NCCL_ASYNC_ERROR_HANDLING']}", flush=True)
+    timed("all_reduce 4 MiB (data) + allgather (control)", lambda: collectives_on_both_planes(planes))
+    timed("abort both planes (ncclCommAbort, Gloo shutdown)", planes.abort)
+    timed("form generation 1", lambda: planes.form(Plan(1, [0]), lambda: False))
+    timed("collectives on generation 1", lambda: collectives_on_both_planes(planes))
+    timed("release generation 0", planes.release)
+    return planes
+
+
+def check_step() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)]).cuda()
+    reference = [p.detach().clone() for p in model.parameters()]
+    inputs = torch.randn(64, 1024, device="cuda")
+    collectives = StepCollectives(threading.Condition(), None)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=1)
+    ddp.register_comm_hook(dist.group.WORLD, collectives.hook)
+    total: list[float | None] = []
+
+    def step() -> None:
+        collectives.begin()
+        loss = ddp(inputs).square().mean()
+        loss.backward()
+        ok, summed = collectives.finish(loss, lambda _: dist.group.WORLD)
+        assert ok, "the step's collectives failed"
+        total.append(summed)
+
+    timed("DDP step on CUDA through ftrun's hook and finish", step)
+    plain = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)]).cuda()
+    with torch.no_grad():
+        for p, r in zip(plain.parameters(), reference):
+            p.copy_(r)
+    loss = plain(inputs).square().mean()
+    loss.backward()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7), "gradients differ from a plain backward"
+    assert abs(total[0] - float(loss)) <= 1e-5 * abs(float(loss)), (total[0], float(loss))
+    print(f"hook and commit on CUDA: gradients match a plain backward, loss {total[0]:.6g} summed with the "
+          f"last bucket", flush=True)
+
+
+def check_manifest() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.Linear(2048, 16)).cuda()
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 2048, device="cuda")).sum().backward()
+    optimizer.step()
+    state = snapshot({"model": model, "optimizer": optimizer}, 3)
+    data, specs, _ = transfer.manifest(state)
+    kinds = sorted({spec.device_type for spec in specs})
+    into = transfer.targets(specs, state, {"cuda": backends.device_of("cuda")})
+    in_place = sum(t.data_ptr() == dict(transfer._leaves(state))[s.path].data_ptr() for t, s in zip(into, specs))
+    routed = {kind for kind in backends.served("nccl")}
+    print(f"manifest: {len(data)} bytes, {len(specs)} tensors by reference on {kinds} (the data plane takes "
+          f"{sorted(routed)}), {in_place} of them received in place", flush=True)
+    assert kinds == ["cuda"] and in_place == len(specs)
 
 
 def main() -> None:
     assert torch.cuda.is_available(), "no GPU visible"
     torch.cuda.set_device(0)
+    backends.prepare("nccl")
     print(f"torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, "
           f"{torch.cuda.get_device_name(0)}", flush=True)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    comm = Communicator(store, attempt=0, uid=0, backend="nccl", timeout=timedelta(seconds=60))
-    timed("form generation 0", lambda: comm.form(Plan(0, [0]), lambda: False))
-    timed("all_reduce (4 MiB)", all_reduce_once)
-    timed("abort (NCCL)", comm.abort)
-    timed("re-form generation 1", lambda: comm.form(Plan(1, [0]), lambda: False))
-    timed("all_reduce after re-form", all_reduce_once)
+    planes = check_planes(store)
+    check_step()
+    check_manifest()
+    planes.destroy()
     print("gpu check: ok", flush=True)
 
 

@@ -14,6 +14,8 @@ from ftrun.store.job import JobStore
 
 RENEWALS_PER_TIMEOUT = 5
 """A follower renews this many times per ``--node-timeout``."""
+STOP_WAIT = 10.0
+"""Seconds :meth:`stop` waits for the thread: longer than one store call on its connection."""
 
 
 class LeaseKeeper:
@@ -33,8 +35,13 @@ class LeaseKeeper:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop renewing (at the next renewal)."""
+        """Stop renewing (at the next renewal). and wait for the thread (bounded: a store call in flight has its
+        own timeout), so it is not inside torch's C++ code when the interpreter exits, which would abort the
+        process ("terminate called without an active exception").
+        """
         self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(STOP_WAIT)
 
     def fence_reason(self, now: float) -> str | None:
         """Why this node must stop its workers at monotonic time ``now``, or None while its lease holds."""

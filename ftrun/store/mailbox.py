@@ -19,6 +19,8 @@ POLL_INTERVAL = 0.01
 """Seconds between two looks for a mailbox's next message: a store round trip each, cheap."""
 RECONNECT_INTERVAL = 1.0
 """Seconds between two attempts to reach a store that stopped answering."""
+STOP_WAIT = 10.0
+"""Seconds :meth:`stop` waits for the thread: longer than one store call on its connection."""
 
 
 class MailReader:
@@ -43,8 +45,13 @@ class MailReader:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop at the next wake-up; messages not yet read stay in the store."""
+        """Stop at the next wake-up; messages not yet read stay in the store. and wait for the thread (bounded: a store call in flight has its
+        own timeout), so it is not inside torch's C++ code when the interpreter exits, which would abort the
+        process ("terminate called without an active exception").
+        """
         self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(STOP_WAIT)
 
     def take(self) -> list[dict[str, Any]]:
         """The messages that arrived since the last call, in order."""

@@ -9,7 +9,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -20,23 +20,27 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ftrun import protocol
 from ftrun.protocol import Plan, initial_members
-from ftrun.worker.channel import AgentChannel
 from ftrun.store.client import open_client
+from ftrun.worker import backends, transfer
+from ftrun.worker.channel import AgentChannel
 from ftrun.worker.injected import WorkerDrills
-from ftrun.worker.group import Communicator, Superseded
-from ftrun.worker.state import Stateful, load_rescue, pack, save_rescue, unpack
+from ftrun.worker.planes import Planes, Superseded
+from ftrun.worker.steps import CollectiveFailed, StepCollectives
+from ftrun.worker.state import Stateful, best_rescue, load_into, save_rescue, snapshot
 
+INVALID_STEP = -2  # a rank whose state is not a committed one (a joiner, or a transfer that broke off): always behind
 
-class CollectiveFailed(Exception):
-    """A collective of the current generation failed (a peer died or the group was re-formed)."""
+DEFAULT_RECOVERY_DEADLINE = 90.0
+"""Seconds a worker waits for a recovery when its agent names none (FTRUN_RECOVERY_DEADLINE): ftrun's
+default --recovery-timeout plus --join-timeout."""
 
 
 class Session:
     """One worker's membership in the job.
 
-    Under ftrun the session learns of each new generation from its agent, re-forms the process group
-    among the survivors, agrees with them on the last committed step and takes state from a peer if
-    it is behind. Under plain torchrun (no ftrun agent) it is an ordinary DDP loop.
+    Under ftrun the session learns of each new generation from its agent, forms the generation's data and
+    control planes among its members, agrees with them on the last committed step and takes state from a
+    peer if it is behind. Under plain torchrun (no ftrun agent) it is an ordinary DDP loop.
     """
 
     def __init__(self, backend: str | None = None, timeout: timedelta = timedelta(minutes=30)) -> None:
@@ -44,33 +48,31 @@ class Session:
         self.uid = int(os.environ.get("FTRUN_UID", os.environ.get("RANK", "0")))
         self.spare = os.environ.get("FTRUN_JOINER") == "1"
         self.managed = "FTRUN_CHANNEL_FD" in os.environ and os.environ.get("FTRUN_RECOVERY", "1") == "1"
-        self.recovery_timeout = float(os.environ.get("FTRUN_RECOVERY_DEADLINE", "0"))
+        self.recovery_timeout = float(os.environ.get("FTRUN_RECOVERY_DEADLINE", DEFAULT_RECOVERY_DEADLINE))
         """Seconds this worker waits for a recovery to finish (the agent's --recovery-timeout + --join-timeout)."""
         self.protected: dict[str, Stateful] = {}
         self.committed_step = -1
         self.gen = 0
         self._ddps: list[tuple[DistributedDataParallel, dict[str, Any]]] = []
         self._cond = threading.Condition()
-        self._state_lock = threading.Lock()  # held while the optimizer steps: a rescue never sees half a step
+        self._state_lock = threading.Lock()  # held while the state changes: a rescue never sees half of it
         self._latest: Plan | None = None
-        self._poisoned = False  # a newer plan arrived: nothing more may be issued on this generation
-        self._step_failed = False
-        self._pending: dict[torch.futures.Future, torch.Tensor] = {}  # hook futures and their buckets
         self._considered = 0  # newest plan generation looked at by recovery
         self._plan_received = time.time()
         self._step = 0
-        self._epoch = 0  # steps and recoveries started: a late collective failure only fails its own epoch
-        self._entered_epoch = -1  # the epoch whose first collective was reported to the agent
         self._step_started = 0.0
         self._drills = WorkerDrills()  # `ftrun inject exception|slow`, acted out at the start of a step
-        atexit.register(_shut_down_group)
-        if not self.managed:
-            dist.init_process_group(self.backend, timeout=timeout)
-            self.channel = None
+        self.channel: AgentChannel | None = None
+        self.collectives = StepCollectives(self._cond, self._entered)
+        atexit.register(self._shut_down)
+        if not self.managed:  # torch's own error handling: a failed collective ends the process, torchrun restarts
+            dist.init_process_group(self.backend, timeout=timeout, **backends.init_options(self.backend))
+            self.planes = None
             return
+        backends.prepare(self.backend)
         self.store = open_client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=300)
-        self.comm = Communicator(self.store, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), self.uid,
-                                 self.backend, timeout)
+        self.planes = Planes(self.store, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), self.uid,
+                             self.backend, timeout)
         self.channel = AgentChannel(int(os.environ["FTRUN_CHANNEL_FD"]), self._on_message)
         faulthandler.register(protocol.STACK_DUMP_SIGNAL, all_threads=True)  # the agent's hang watchdog asks
         sizes = [int(n) for n in os.environ.get("FTRUN_NODE_SIZES", os.environ["WORLD_SIZE"]).split(",")]
@@ -79,10 +81,10 @@ class Session:
             self._latest = self._latest or first or Plan(-1, [])
         if first is None:
             self.gen = self._considered = -1
-            self.committed_step = -2  # a joiner is always behind: it takes state even before any commit
-            self.comm.start_alone()
+            self.committed_step = INVALID_STEP  # a joiner is always behind: it takes state even before any commit
+            self.planes.start_alone()
         else:
-            self.comm.form(first, lambda: False)
+            self.planes.form(first, lambda: False)
         self.channel.send(protocol.HELLO, uid=self.uid, pid=os.getpid(), spare=self.spare)
 
     # ------------------------------------------------------------ public API
@@ -103,7 +105,7 @@ class Session:
         in ``backward()``. Gradients are summed, not averaged: divide the loss by the global batch size.
         """
         model = DistributedDataParallel(module, **kwargs)
-        model.register_comm_hook(None, self._allreduce_hook)
+        model.register_comm_hook(dist.group.WORLD, self.collectives.hook)
         self._ddps.append((model, kwargs))
         return model
 
@@ -116,6 +118,7 @@ class Session:
         if not self.managed:
             for step in range(total):
                 self._step = step
+                self.collectives.begin()
                 yield step
             return
         if self.spare:
@@ -129,9 +132,8 @@ class Session:
                 self._recover()
                 step = self.committed_step + 1
                 continue
-            with self._cond:
-                self._step, self._step_failed = step, False
-                self._epoch += 1
+            self._step = step
+            self.collectives.begin()
             self._step_started = time.monotonic()
             self._drills.at_step()
             yield step
@@ -147,16 +149,7 @@ class Session:
         Returns None when the step was abandoned (a peer was lost): nothing was applied, the gradients
         are dropped and :meth:`steps` yields the same step again after recovery.
         """
-        total = None
-        if loss is not None:
-            summed = loss.detach().reshape(1).to(torch.float64)
-            try:
-                self._wait(self._issue(lambda: dist.all_reduce(summed, async_op=True)))
-                total = float(summed.item())
-            except (CollectiveFailed, Superseded):
-                self._fail_step()
-        with self._cond:
-            ok = not (self._poisoned or self._step_failed)
+        ok, total = self.collectives.finish(loss, self._loss_group)
         if not ok:
             optimizer.zero_grad(set_to_none=True)
             return None
@@ -165,10 +158,18 @@ class Session:
             self.committed_step = self._step
         optimizer.zero_grad(set_to_none=True)
         self._rebuild_buckets()
+        if self.planes is not None and self.planes.stale:
+            self._release_stale()
         if self.channel is not None:
             self.channel.send(protocol.PROGRESS, gen=self.gen, step=self._step, time=time.time(),
                               step_time=time.monotonic() - self._step_started)
         return total
+
+    def _loss_group(self, loss: torch.Tensor) -> dist.ProcessGroup:
+        """Where a loss no gradient bucket carried is summed: the data plane if it takes its device."""
+        if self.planes is None or loss.device.type in backends.served(self.backend):
+            return dist.group.WORLD
+        return self.planes.control
 
     def _rebuild_buckets(self) -> None:
         """Run DDP's one-time bucket rebuild (a broadcast) now, not in the next forward pass.
@@ -186,75 +187,10 @@ class Session:
             except RuntimeError:
                 return  # the group broke: the next step's collectives fail too and recovery follows
 
-    # ------------------------------------------------------ hook and issuing
-    def _allreduce_hook(self, _state, bucket):  # noqa: ANN001, ANN202 -- DDP rejects string annotations here
-        """DDP comm hook: sum the bucket over the current generation; a failure only discards the step."""
-        buffer = bucket.buffer()
-        result: torch.futures.Future = torch.futures.Future()
-        with self._cond:  # issue and register in one step, so a new plan cannot slip between them
-            abandoned = self._poisoned
-            epoch = self._epoch
-            first_of_step, self._entered_epoch = self._entered_epoch != epoch, epoch
-            if abandoned:
-                self._step_failed = True
-            else:
-                work = dist.all_reduce(buffer, async_op=True)
-                self._pending[result] = buffer
-        if abandoned:
-            result.set_result(buffer)
-            return result
-        if first_of_step and self.channel is not None:
+    def _entered(self) -> None:
+        """The step's first collective started: the agent's hang watchdog learns the rank is in a collective."""
+        if self.channel is not None:
             self.channel.send(protocol.ENTERED, step=self._step)
-
-        def finished(fut: torch.futures.Future) -> None:
-            try:
-                fut.value()
-            except Exception:
-                self._fail_step(epoch)
-            self._complete({result})
-
-        work.get_future().add_done_callback(finished)
-        return result
-
-    def _complete(self, futures: set[torch.futures.Future]) -> None:
-        """Complete hook futures (once each), so a blocked backward returns; called outside the lock."""
-        with self._cond:
-            mine = {fut: self._pending.pop(fut) for fut in futures if fut in self._pending}
-            self._cond.notify_all()
-        for fut, buffer in mine.items():
-            fut.set_result(buffer)
-
-    def _fail_step(self, epoch: int | None = None) -> None:
-        """Mark the current step failed; a late failure of an earlier step's collective (``epoch``) is ignored."""
-        with self._cond:
-            if epoch is None or epoch == self._epoch:
-                self._step_failed = True
-            self._cond.notify_all()
-
-    def _issue(self, start: Callable[[], dist.Work]) -> dist.Work:
-        """Start a collective unless a newer generation was announced (then raise Superseded)."""
-        with self._cond:
-            if self._poisoned:
-                raise Superseded("a newer generation was announced")
-            return start()
-
-    def _wait(self, work: dist.Work, deadline: float | None = None) -> None:
-        """Wait for ``work`` but give up as soon as a newer generation is announced or the deadline passes."""
-        future = work.get_future()
-        future.add_done_callback(lambda _: self._notify())
-        with self._cond:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            self._cond.wait_for(lambda: future.done() or self._poisoned, timeout=remaining)
-            if not future.done():
-                raise Superseded("a newer generation was announced") if self._poisoned else CollectiveFailed("timeout")
-        try:
-            future.value()
-        except Exception as exc:
-            raise CollectiveFailed(str(exc)) from exc
-
-    def _notify(self) -> None:
-        with self._cond:
-            self._cond.notify_all()
 
     # -------------------------------------------------------------- watcher
     def _on_message(self, message: dict[str, Any]) -> None:
@@ -262,7 +198,7 @@ class Session:
         if self._drills.on_message(message):
             return
         if message.get("t") == protocol.SAVE:
-            self._save_rescue()
+            threading.Thread(target=self._save_rescue, name="ftrun-rescue", daemon=True).start()
         if message.get("t") != protocol.PLAN:
             return
         plan = Plan.from_message(message)
@@ -270,15 +206,17 @@ class Session:
             if self._latest is not None and plan.gen <= self._latest.gen:
                 return
             self._latest = plan
-            self._poisoned = True
             self._plan_received = time.time()
-            pending = set(self._pending)
-            self._cond.notify_all()
-        self.comm.abort()
-        self._complete(pending)
+            pending = self.collectives.abandon()
+        self.planes.abort()
+        self.collectives.complete(pending)
 
     def _save_rescue(self) -> None:
-        """The agent gave up recovering in place: keep this worker's last committed state for the restart."""
+        """The agent gave up recovering in place: keep this worker's last committed state for the restart.
+
+        On a thread of its own: a state transfer may hold the state lock, and the channel thread must
+        stay free to deliver plans meanwhile.
+        """
         with self._state_lock:
             step = self.committed_step
             save_rescue(self.protected, step, self._rescue_dir / f"{self.uid}.pt")
@@ -287,12 +225,13 @@ class Session:
     def _restore_rescue(self) -> None:
         """After a group restart, start from the best state the previous attempt rescued, if any."""
         if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" and self._rescue_dir.is_dir():
-            restored = load_rescue(self._rescue_dir, self.protected)
-            if restored is not None:
-                self.committed_step = restored
+            best = best_rescue(self._rescue_dir)
+            if best is not None:
+                with self._state_lock:
+                    self.committed_step = load_into(best, self.protected)
                 if self.rank == 0:
-                    print(f"ftrun: resuming from the state of step {restored} rescued before the restart",
-                          file=sys.stderr, flush=True)
+                    print(f"ftrun: resuming from the state of step {self.committed_step} rescued before the "
+                          "restart", file=sys.stderr, flush=True)
 
     @property
     def _rescue_dir(self) -> Path:
@@ -300,11 +239,11 @@ class Session:
 
     def _needs_recovery(self) -> bool:
         with self._cond:
-            return self._step_failed or self._latest.gen > self.gen
+            return self.collectives.failed or self._latest.gen > self.gen
 
     # -------------------------------------------------------------- recovery
     def _recover(self) -> None:
-        """Join the newest generation: form its group, agree on the committed step, fetch state if behind."""
+        """Join the newest generation: form its planes, agree on the committed step, fetch state if behind."""
         deadline = None if self.spare else time.monotonic() + self.recovery_timeout
         while True:
             plan, received = self._next_plan(deadline)
@@ -312,11 +251,11 @@ class Session:
             superseded = lambda: self._latest.gen != plan.gen  # noqa: E731
             try:
                 t0 = time.time()
-                self.comm.form(plan, superseded)
+                self.planes.form(plan, superseded)
                 t1 = time.time()
                 best, source, behind = self._agree(deadline)
                 t2 = time.time()
-                self._transfer(best, source, behind, deadline)
+                self._transfer(best, source, behind)
                 self._rebuild_ddp()  # after the transfer: every rank now holds the same state
                 t3 = time.time()
             except (Superseded, CollectiveFailed, dist.DistError) as exc:
@@ -330,11 +269,18 @@ class Session:
                     continue
                 self.gen = plan.gen
                 self.spare = False
+            self._release_stale()
             timings = {"abort": round(t0 - received, 6), "rendezvous": round(t1 - t0, 6),
                        "agree": round(t2 - t1, 6), "transfer": round(t3 - t2, 6)}
             self.channel.send(protocol.RECOVERED, gen=plan.gen, step=self.committed_step, timings=timings,
                               received_state=self.rank in behind, plan_received=received)
             return
+
+    def _release_stale(self) -> None:
+        """Release the aborted generations' groups once none of their completion callbacks can still run
+        (else at a later commit: never wait for them on the step path)."""
+        if self.collectives.quiet(0):
+            self.planes.release()
 
     def _next_plan(self, deadline: float | None) -> tuple[Plan, float]:
         """Wait for a plan newer than any looked at that places this worker; reopen the gate for it."""
@@ -346,37 +292,46 @@ class Session:
                 plan = self._latest
                 self._considered = plan.gen
                 if plan.rank_of(self.uid) is not None:
-                    self._poisoned = self._step_failed = False
-                    self._epoch += 1  # late failures of the abandoned step's collectives no longer count
+                    self.collectives.reopen()
                     return plan, self._plan_received
                 if not self.spare:
                     raise RuntimeError(f"ftrun: worker {self.uid} was left out of generation {plan.gen}")
 
     def _agree(self, deadline: float) -> tuple[int, int, list[int]]:
-        """All-gather the committed steps: (highest, lowest rank holding it, ranks behind it)."""
+        """All-gather the committed steps on the control plane: (highest, lowest rank holding it, ranks behind)."""
         mine = torch.tensor([self.committed_step], dtype=torch.int64)
         steps = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        self._wait(self._issue(lambda: dist.all_gather(steps, mine, async_op=True)), deadline)
+        control = self.planes.control
+        self.collectives.wait(self.collectives.issue(lambda: control.allgather([steps], [mine])), deadline)
         values = [int(t.item()) for t in steps]
         best = max(values)
+        if best < -1:
+            raise RuntimeError("ftrun: no member of the new generation holds a committed state to resume from")
         return best, values.index(best), [r for r, v in enumerate(values) if v < best]
 
-    def _transfer(self, best: int, source: int, behind: list[int], deadline: float) -> None:
-        """The source rank broadcasts its protected state; the ranks behind it load it, the others drop it.
+    def _transfer(self, best: int, source: int, behind: list[int]) -> None:
+        """The source sends its protected state to the ranks behind it (and only to them), device to device.
 
-        A broadcast rather than point-to-point sends: Gloo's send/recv work has no future, so it could
-        not be abandoned when a newer generation arrives mid-transfer.
+        A receiver changes its state in place, under the state lock (a rescue never saves half of it); if
+        the transfer breaks off, its state is marked invalid, so that it is behind in the next agreement.
         """
-        if not behind:
-            return
-        payload = pack(self.protected, best) if self.rank == source else torch.empty(0, dtype=torch.uint8)
-        size = torch.tensor([payload.numel()], dtype=torch.int64)
-        self._wait(self._issue(lambda: dist.broadcast(size, source, async_op=True)), deadline)
-        if self.rank != source:
-            payload = torch.empty(int(size.item()), dtype=torch.uint8)
-        self._wait(self._issue(lambda: dist.broadcast(payload, source, async_op=True)), deadline)
-        if self.rank in behind:
-            self.committed_step = unpack(payload, self.protected)
+        if self.rank == source and behind:
+            transfer.send(snapshot(self.protected, best), behind, self._route())
+        elif self.rank in behind:
+            with self._state_lock:
+                self.committed_step = INVALID_STEP
+                received = transfer.receive(source, snapshot(self.protected, INVALID_STEP), self._route())
+                self.committed_step = load_into(received, self.protected)
+
+    def _route(self) -> transfer.Route:
+        """Tensors of the devices the data plane takes travel on it; CPU tensors otherwise on the control plane."""
+        control = transfer.p2p_on_backend(self.planes.control)
+        data = transfer.p2p_on_group(dist.group.WORLD)
+        kinds = {kind for kind in backends.served(self.backend)
+                 if kind == "cpu" or (kind == "cuda" and torch.cuda.is_available())}
+        exchanges = {kind: data for kind in kinds}
+        exchanges.setdefault("cpu", control)
+        return transfer.Route(exchanges, {kind: backends.device_of(kind) for kind in exchanges}, control)
 
     def _rebuild_ddp(self) -> None:
         """Rebuild each DDP on the new default group; the user's model object stays the same.
@@ -388,14 +343,15 @@ class Session:
         skip_sync = {"init_sync": False} if "init_sync" in inspect.signature(DistributedDataParallel).parameters else {}
         for model, kwargs in self._ddps:
             DistributedDataParallel.__init__(model, model.module, **{**kwargs, **skip_sync})
-            model.register_comm_hook(None, self._allreduce_hook)
+            model.register_comm_hook(dist.group.WORLD, self.collectives.hook)
 
-
-def _shut_down_group() -> None:
-    """At exit, while the interpreter is whole: shut the current group down, so no backend thread is
-    left running into the interpreter's teardown (an abandoned generation's group is never touched)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    def _shut_down(self) -> None:
+        """At exit, while the interpreter is whole: shut the current planes down, so no backend thread is
+        left running into the interpreter's teardown (an aborted generation is released or left alone)."""
+        if self.planes is not None:
+            self.planes.destroy()
+        elif dist.is_initialized():
+            dist.destroy_process_group()
 
 
 _session: Session | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -328,7 +329,10 @@ def test_group_restart_under_a_hostfile_launcher_that_hosts_the_store(run_ftrun,
     res = run_ftrun("-H", "localhost:2", "--max-restarts", "1", workload("allreduce.py"), "--crash-first-attempt",
                     timeout=120)
     assert res.returncode == 0, res.stderr
-    assert "restarting the group (restart 1 of 1)" in res.stderr and "Traceback" not in res.stderr
+    assert "restarting the group (restart 1 of 1)" in res.stderr, res.stderr
+    # the worker's planted traceback is forwarded with its prefixes; ftrun itself prints none
+    assert "[localhost:1]: [rank1]: RuntimeError: rank 1 crashes" in res.stderr, res.stderr
+    assert not re.search(r"^Traceback", res.stderr, re.M), res.stderr
 
 
 def test_gloo_group_forms_again_after_group_restart(run_ftrun, workload):

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 import ftrun  # noqa: E402
 import train_ddp  # noqa: E402
-from ftrun.worker import group  # noqa: E402
+from ftrun.worker import planes  # noqa: E402
 
 UID = int(os.environ.get("FTRUN_UID", os.environ.get("RANK", "0")))
 FIRST_ATTEMPT = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
@@ -41,8 +41,8 @@ def plant(kind: str, step: int, uid: int, training: train_ddp.Training, current:
         first = next(iter(training.model.module.parameters()))
         first.register_hook(lambda grad: die())
     if kind == "recovery":
-        original = group.Communicator.form
-        group.Communicator.form = lambda self, plan, superseded: die() if plan.gen >= 1 else original(
+        original = planes.Planes.form
+        planes.Planes.form = lambda self, plan, superseded: die() if plan.gen >= 1 else original(
             self, plan, superseded)
 
 

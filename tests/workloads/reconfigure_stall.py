@@ -1,7 +1,7 @@
 """Rank 2 of 4 dies while the others have all-reduces in flight; the survivors `_reconfigure` and all-reduce.
 
 Prints `new all_reduce done` or `new all_reduce stalled` on each survivor: the evidence behind ftrun's
-choice of a fresh group per generation over torch's in-place reconfigure (see ftrun/worker/group.py).
+choice of a fresh group per generation over torch's in-place reconfigure (see ftrun/worker/planes.py).
 """
 
 import os
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 rank, port = int(sys.argv[1]), int(sys.argv[2])
-store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=300))
 dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=8,
                         enable_reconfigure=True)
 

@@ -1,0 +1,191 @@
+"""The two planes of each generation: a data group on the user's backend and a CPU Gloo control group.
+
+Data plane: the default process group, on the user's backend (NCCL on CUDA, Gloo on CPU). DDP's gradient
+all-reduce and the bulk of a state transfer run on it, as does any ``torch.distributed`` call of the user's
+script. Control plane: a Gloo group of the same members, not registered with ``torch.distributed`` (the
+user's code cannot reach it by accident), for everything with CPU tensors: agreement on the committed
+step, transfer sizes and the small tensors of the state. A per-device default group (``"cpu:gloo,
+cuda:nccl"``) would give one group on a CPU machine, where the CPU suite would then run another code path
+than a GPU; two groups run the same path on both.
+
+One store barrier per generation (which a newer plan can interrupt), then both planes form at once, each on
+its own store prefix: no second rendezvous in series.
+
+The stale generation is aborted on both planes at once when the next plan arrives, from the channel
+thread: NCCL's ``abort``, and for every Gloo group the shutdown of the generation's own TCP connections
+(Gloo's ``abort`` is a no-op, and torch's in-place ``_reconfigure`` on Gloo leaves the collectives in
+flight blocked: tests/test_torch_reconfigure.py). Every collective in flight then fails at once, here
+and on every peer; once they have, the stale groups hold no blocked thread and are released (their
+threads end and their sockets close), off the recovery's critical path.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from ftrun.protocol import Plan
+from ftrun.store import keys
+from ftrun.store.client import open_client
+from ftrun.worker import backends
+
+
+class Superseded(Exception):
+    """A newer generation arrived while this one was being formed or used."""
+
+
+def _tcp_fds() -> set[int]:
+    """This process's connected TCP sockets (listeners left out: Gloo's must keep accepting)."""
+    return {conn.fd for conn in psutil.Process().net_connections(kind="tcp") if conn.fd != -1 and conn.raddr}
+
+
+def _shut_down(fds: set[int]) -> None:
+    """Shut down the sockets behind ``fds`` (both directions) without closing the descriptors."""
+    for fd in fds:
+        try:
+            with socket.socket(fileno=os.dup(fd)) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already closed by its owner
+
+
+@dataclass
+class Generation:
+    """One generation's groups: ``data`` is the default group, ``control`` a Gloo group beside it."""
+
+    gen: int
+    data: dist.ProcessGroup
+    control: dist.ProcessGroup
+    fds: set[int]  # the Gloo connections of both groups: shut down to abort them
+
+
+class Planes:
+    """Owns both process groups across generations, one fresh pair per generation.
+
+    Group keys live under ``ftrun/a<attempt>/g<gen>``, so no key of a dead generation or attempt is ever
+    read. ``release`` frees the aborted generations once nothing of theirs can still run.
+    """
+
+    def __init__(self, store: dist.TCPStore, attempt: int, uid: int, backend: str, timeout: timedelta) -> None:
+        self.store = store
+        # A store client of the control plane's own: a client runs one request at a time and holds its
+        # connection through a blocking wait, so two groups forming at once on one client can deadlock
+        # across ranks (each waiting for a key the other's blocked thread has yet to set).
+        self._control_store = open_client(store.host, store.port, store.timeout.total_seconds())
+        self.attempt = attempt
+        self.uid = uid
+        self.backend = backend
+        self.timeout = timeout
+        self.current: Generation | None = None
+        self._lock = threading.Lock()
+        self._aborted: list[Generation] = []  # stale generations waiting to be released
+
+    @property
+    def stale(self) -> bool:
+        """Whether aborted generations wait to be released."""
+        return any(g is not self.current for g in self._aborted)
+
+    @property
+    def control(self) -> dist.ProcessGroup:
+        """The current generation's control group."""
+        return self.current.control
+
+    def start_alone(self) -> None:
+        """Groups of this worker alone: a spare waits in them until a plan places it."""
+        self._form(f"alone{self.uid}", -1, 0, 1)
+
+    def form(self, plan: Plan, superseded: Callable[[], bool]) -> None:
+        """Form ``plan``'s planes; raises :class:`Superseded` if a newer plan comes during the barrier."""
+        self.store.set(keys.arrived(self.attempt, plan.gen, self.uid), "1")
+        self._wait_keys([keys.arrived(self.attempt, plan.gen, uid) for uid in plan.members], superseded)
+        self.abort()
+        self._retire()
+        self._form(f"g{plan.gen}", plan.gen, plan.rank_of(self.uid), plan.world_size)
+
+    def abort(self) -> None:
+        """Make every collective in flight on the current planes fail now, here and on their peers.
+
+        Safe to call from the channel thread, and more than once; the aborted groups are released later.
+        """
+        with self._lock:
+            current = self.current
+            if current is None or current in self._aborted:
+                return
+            self._aborted.append(current)
+        backends.abort(current.data)
+        _shut_down(current.fds)
+
+    def release(self) -> None:
+        """Free the aborted generations' groups: their threads end and their sockets close.
+
+        Call only once no collective of theirs can still complete into Python (every hook future done):
+        a group's destructor joins its threads, and a thread waiting for the interpreter would never end.
+        """
+        with self._lock:
+            stale = [g for g in self._aborted if g is not self.current]
+            self._aborted = [g for g in self._aborted if g is self.current]
+        for generation in stale:
+            backends.shut_down(generation.control)
+        del stale  # the last references: each destructor joins its (now idle) threads and closes its sockets
+
+    def destroy(self) -> None:
+        """At exit: shut the current planes down, so no backend thread runs into the interpreter's teardown."""
+        if self.current is not None:
+            backends.shut_down(self.current.control)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.current = None
+
+    def _retire(self) -> None:
+        """Take the (aborted) default group out of torch.distributed, so the next one can be formed."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _form(self, name: str, gen: int, rank: int | None, world_size: int) -> None:
+        """Form the data and control groups at once, each on its own store prefix."""
+        before, hook = _tcp_fds(), sys.excepthook
+        store = dist.PrefixStore(keys.group_prefix(self.attempt, name), self.store)
+        control_store = dist.PrefixStore(keys.group_prefix(self.attempt, f"{name}/control"), self._control_store)
+        control: list[dist.ProcessGroup] = []
+        failure: list[BaseException] = []
+
+        def form_control() -> None:
+            try:
+                control.append(dist.ProcessGroupGloo(control_store, rank, world_size, self.timeout))
+            except BaseException as exc:  # noqa: BLE001 -- re-raised in the forming thread below
+                failure.append(exc)
+
+        thread = threading.Thread(target=form_control, name="ftrun-control-plane", daemon=True)
+        thread.start()
+        try:
+            dist.init_process_group(self.backend, store=store, rank=rank, world_size=world_size,
+                                    timeout=self.timeout, **backends.init_options(self.backend))
+        finally:
+            thread.join()
+        sys.excepthook = hook  # torch's would stack a "[rankN]:" prefix per group; the agent prefixes lines
+        if failure:
+            raise failure[0]
+        with self._lock:
+            self.current = Generation(gen, dist.group.WORLD, control[0], _tcp_fds() - before)
+
+    def _wait_keys(self, keys: list[str], superseded: Callable[[], bool]) -> None:
+        """Wait for every key, checking for a newer plan between short polls (store waits cannot be cut)."""
+        while not self.store.check(keys):
+            if superseded():
+                raise Superseded(keys[0])
+            time.sleep(0.001)
+
+
+def is_cpu(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` travels on the control plane (CPU memory) rather than the data plane."""
+    return tensor.device.type == "cpu"

@@ -1,0 +1,166 @@
+"""The two planes: control collectives never touch the data group, and nothing leaks per generation.
+
+Real worker processes on real Gloo groups. The first test runs the worker API under ftrun with a data
+group that, like NCCL's, takes no CPU tensors; the second plays the agent itself over the workers'
+control channels to drive 20 generations in a row through the same three processes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import selectors
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from runs import read_run
+
+from ftrun.protocol import STACK_DUMP_SIGNAL, Plan
+
+STRICT = re.compile(r"commit uid=(\d+) rank=(\d+) world=(\d+) step=(\d+) loss=(\S+) sum=(\S+)$")
+
+
+@pytest.mark.fast
+def test_a_data_group_of_cuda_only_rejects_cpu_tensors(free_port):
+    # what makes the next test meaningful: such a group raises on a CPU tensor, as NCCL's does
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    dist.init_process_group("cuda:gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=30))
+    try:
+        with pytest.raises(RuntimeError, match="device type cpu"):
+            dist.all_reduce(torch.ones(1))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_recovery_with_a_data_group_that_rejects_cpu_tensors_uses_only_the_control_plane(run_ftrun, workload,
+                                                                                         tmp_path):
+    # uid 2 is killed before step 5, when the spare is ready: the spare takes its place and receives the
+    # whole state (parameters, Adam moments and step counts) from a peer; every collective ftrun issues on
+    # CPU tensors must go to the control plane, or the worker raises and the job fails
+    steps = 9
+    result = run_ftrun("--nproc-per-node", 4, "--spares", 1, "--hang-timeout", 300, "--log-dir", tmp_path,
+                       workload("strict_planes.py"), steps, env={"FAULTS": "kill:5:2", "AWAIT": "5:joiner_ready"},
+                       timeout=150)
+    run = read_run(result, tmp_path)
+    why = run.explain()
+    assert run.returncode == 0, why
+    (recovery,) = run.of("recovery")
+    assert (recovery["world_before"], recovery["world_after"], recovery["joiners"]) == (4, 4, [4]), why
+    assert recovery["steps_lost"] == 0 and recovery["resumed_at_step"] == 5, why
+    commits: dict[int, dict[int, tuple[str, str]]] = {}
+    for line in run.stdout.splitlines():
+        if match := STRICT.search(line):
+            uid, _, world, step, loss, total = match.groups()
+            commits.setdefault(int(step), {})[int(uid)] = (loss, total)
+    assert sorted(commits) == list(range(steps)), why
+    for step, by_uid in commits.items():
+        assert set(by_uid) == ({0, 1, 2, 3} if step < 5 else {0, 1, 3, 4}), f"step {step}\n{why}"
+        assert len(set(by_uid.values())) == 1, f"ranks disagree at step {step}: {by_uid}\n{why}"
+
+
+# ------------------------------------------------------------------------------ nothing leaks
+CYCLE = re.compile(r"commit uid=(\d+) step=(\d+) gen=(\d+) fds=(\d+) threads=(\d+)$")
+
+
+class Agent:
+    """The test's stand-in for ftrun's agent: three workers on socket pairs, plans sent by hand."""
+
+    def __init__(self, workload: str, steps: int, hold: list[int], env: dict[str, str], tmp_path) -> None:
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=60))
+        self.sockets, self.procs, self.lines = [], [], {}
+        for uid in range(3):
+            mine, theirs = socket.socketpair()
+            worker_env = {**env, "FTRUN_UID": str(uid), "RANK": str(uid), "LOCAL_RANK": str(uid),
+                          "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.store.port),
+                          "FTRUN_CHANNEL_FD": str(theirs.fileno()), "FTRUN_RUN_DIR": str(tmp_path),
+                          "HOLD": ",".join(map(str, hold)), "OMP_NUM_THREADS": "1"}
+            self.procs.append(subprocess.Popen([sys.executable, workload, "--steps", str(steps), "--width", "64"],
+                                               env=worker_env, pass_fds=[theirs.fileno()], stdout=subprocess.PIPE,
+                                               stderr=subprocess.PIPE, text=True))
+            theirs.close()
+            self.sockets.append(mine)
+        self.buffers = [b""] * 3
+        self.selector = selectors.DefaultSelector()
+        for uid, sock in enumerate(self.sockets):
+            self.selector.register(sock, selectors.EVENT_READ, uid)
+
+    def wait_for(self, wanted: set[tuple[int, str, int]], deadline: float) -> None:
+        """Read messages until each (uid, kind, gen-or-step) in ``wanted`` has come."""
+        while wanted:
+            assert time.monotonic() < deadline, f"still waiting for {wanted}: {self.explain()}"
+            for key, _ in self.selector.select(timeout=1.0):
+                data = key.fileobj.recv(65536)
+                assert data, f"worker {key.data} closed its channel: {self.explain()}"
+                *lines, self.buffers[key.data] = (self.buffers[key.data] + data).split(b"\n")
+                for line in lines:
+                    message = json.loads(line)
+                    value = message.get("gen", message.get("step", -1)) if message["t"] != "entered" \
+                        else message["step"]
+                    wanted.discard((key.data, message["t"], value))
+
+    def plan(self, gen: int) -> None:
+        data = (json.dumps(Plan(gen, [0, 1, 2], reason="link fault").message()) + "\n").encode()
+        for sock in self.sockets:
+            sock.sendall(data)
+
+    def finish(self) -> list[tuple[int, str, str]]:
+        results = [(p.wait(timeout=120), *p.communicate()) for p in self.procs]
+        return results
+
+    def explain(self) -> str:
+        """Each worker's Python stacks (the agent's stack-dump signal) and its stderr, for a failure."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(STACK_DUMP_SIGNAL)
+        self.stop()
+        return "\n".join(f"--- worker {p.pid}, exit {p.returncode}\n{p.stderr.read()[-6000:]}" for p in self.procs)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for sock in self.sockets:
+            sock.close()
+
+
+def test_a_survivors_file_descriptors_and_threads_stay_flat_over_20_generations(workload, launcher_env, tmp_path):
+    # Each cycle: uid 2 holds back before its step while uids 0 and 1 wait in the gradient all-reduce for
+    # it; then a new generation of the same members arrives (a link fault: nobody lost). The stale groups,
+    # both planes, are aborted with collectives in flight and must be released: after the first few
+    # generations, every worker's open descriptors and OS threads are the same at each new generation.
+    cycles = 20
+    hold = [2 * c + 1 for c in range(cycles)]
+    agent = Agent(workload("cycles.py"), 2 * cycles + 2, hold, launcher_env, tmp_path)
+    try:
+        deadline = time.monotonic() + 240  # three workers import torch on a busy machine first
+        agent.wait_for({(uid, "hello", -1) for uid in range(3)}, deadline)
+        for cycle, step in enumerate(hold, start=1):
+            agent.wait_for({(0, "entered", step), (1, "entered", step)}, deadline)
+            agent.plan(cycle)
+            agent.store.set(f"go/{step}", "1")
+            agent.wait_for({(uid, "recovered", cycle) for uid in range(3)}, deadline)
+        results = agent.finish()
+    finally:
+        agent.stop()
+    for uid, (code, out, err) in enumerate(results):
+        assert code == 0, f"uid {uid} exited {code}:\n{err[-3000:]}"
+        # per generation, the fewest descriptors and threads at any of its commits: a stale generation may be
+        # released by the first commit after its recovery rather than by the recovery, and uid 2's last commit
+        # of a generation can run after its peers have already aborted it (their sockets closing)
+        counts: dict[int, tuple[int, int]] = {}
+        for line in out.splitlines():
+            if match := CYCLE.search(line):
+                _, _, gen, fds, threads = map(int, match.groups())
+                counts[gen] = min(counts.get(gen, (fds, threads)), (fds, threads))
+        assert sorted(counts) == list(range(cycles + 1)), out
+        settled = max(counts[gen] for gen in (3, 4, 5))
+        grown = {gen: c for gen, c in counts.items() if gen > 5 and (c[0] > settled[0] or c[1] > settled[1])}
+        assert not grown, f"uid {uid}: (fds, threads) grew past {settled}: {counts}"

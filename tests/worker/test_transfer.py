@@ -1,0 +1,138 @@
+"""State transfer and rescue files: code-free manifests, bounded buckets, in-place receives, real Gloo."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ftrun.worker import transfer
+from ftrun.worker.state import best_rescue, load_into, save_rescue, snapshot
+
+pytestmark = pytest.mark.fast
+
+
+def make_training(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.StepLR]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(200, 300), torch.nn.BatchNorm1d(300), torch.nn.Linear(300, 10))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2)
+    for _ in range(3):
+        model(torch.randn(8, 200)).square().sum().backward()
+        optimizer.step()
+        scheduler.step()
+    return model, optimizer, scheduler
+
+
+def objects(seed: int) -> dict:
+    model, optimizer, scheduler = make_training(seed)
+    return {"model": model, "optimizer": optimizer, "scheduler": scheduler}
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    for name in a:
+        left, right = a[name].state_dict(), b[name].state_dict()
+        flat_left, flat_right = dict(transfer._leaves(left)), dict(transfer._leaves(right))
+        assert flat_left.keys() == flat_right.keys(), name
+        for path, tensor in flat_left.items():
+            assert torch.equal(tensor, flat_right[path]), (name, path)
+    assert a["scheduler"].state_dict() == b["scheduler"].state_dict()
+
+
+# ------------------------------------------------------------------------------ pure parts
+def test_manifest_carries_small_tensors_and_plain_values_and_references_the_large_ones():
+    state = snapshot(objects(0), 7)
+    data, specs, tensors = transfer.manifest(state)
+    skeleton, read = transfer.read_manifest(data)
+    assert read == specs and len(tensors) == len(specs)
+    assert all(spec.nbytes > transfer.INLINE_BYTES for spec in specs)  # the (300, 200) weight and Adam's moments
+    assert {spec.path[:2] for spec in specs} == {("state", "model"), ("state", "optimizer")}
+    assert len(data) < sum(spec.nbytes for spec in specs) / 5  # the bulk is not in the manifest
+    assert skeleton["step"] == 7 and skeleton["state"]["scheduler"] == state["state"]["scheduler"]
+    assert hasattr(skeleton["state"]["model"], "_metadata")  # a module's state_dict versions survive
+
+
+def test_a_manifest_that_would_run_code_is_refused():
+    class Payload:
+        def __reduce__(self):
+            return (os.system, ("echo owned",))
+
+    data = pickle.dumps({"skeleton": Payload(), "specs": []}, protocol=2)
+    with pytest.raises(pickle.UnpicklingError):
+        transfer.read_manifest(data)
+
+
+def test_buckets_group_consecutive_tensors_of_one_device_up_to_the_bound():
+    spec = lambda n, device="cpu": transfer.TensorSpec((), torch.float32, (n,), device)  # noqa: E731
+    specs = [spec(5), spec(5), spec(30), spec(4, "cuda"), spec(4, "cuda"), spec(2), spec(100), spec(1), spec(24)]
+    assert transfer.buckets(specs, bucket_bytes=100) == [[0, 1], [2], [3, 4], [5], [6], [7], [8]]
+    # sizes are in float32 elements: 5 -> 20 bytes, a quarter bucket is 25 bytes
+    assert transfer.buckets([], 100) == []
+
+
+def test_targets_receive_in_place_where_the_receiver_has_a_matching_tensor():
+    own = snapshot(objects(1), -2)
+    _, specs, _ = transfer.manifest(snapshot(objects(0), 3))
+    into = transfer.targets(specs, own, {"cpu": torch.device("cpu")})
+    mine = dict(transfer._leaves(own))
+    assert all(t.data_ptr() == mine[s.path].data_ptr() for t, s in zip(into, specs))
+    fresh = transfer.targets(specs, snapshot({"model": objects(1)["model"]}, -2), {"cpu": torch.device("cpu")})
+    assert not any(s.path[1] == "optimizer" and t.data_ptr() in {m.data_ptr() for m in mine.values()}
+                   for t, s in zip(fresh, specs))
+
+
+# ------------------------------------------------------------------------------ over real Gloo
+@pytest.mark.parametrize("bucket_bytes", [transfer.BUCKET_BYTES, 150_000])
+def test_a_rank_behind_receives_the_sources_state_over_gloo(free_port, bucket_bytes):
+    # two ranks in two threads, each with a data and a control Gloo group; the receiver is a fresh
+    # joiner (no optimizer state yet): its model is received in place, its moments into new tensors
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    source, receiver = objects(0), objects(1)
+    receiver["optimizer"] = torch.optim.Adam(receiver["model"].parameters(), lr=0.01)
+    receiver["scheduler"] = torch.optim.lr_scheduler.StepLR(receiver["optimizer"], step_size=2)
+    weight_before = receiver["model"][0].weight.data_ptr()
+    result: dict = {}
+
+    def rank(r: int) -> None:
+        client = dist.TCPStore("127.0.0.1", store.port, is_master=False)  # one client per rank, as in a process
+        groups = {plane: dist.ProcessGroupGloo(dist.PrefixStore(plane, client), r, 2, timedelta(seconds=30))
+                  for plane in ("data", "control")}
+        route = transfer.Route({"cpu": transfer.p2p_on_backend(groups["data"])}, {"cpu": torch.device("cpu")},
+                               transfer.p2p_on_backend(groups["control"]))
+        if r == 0:
+            transfer.send(snapshot(source, 5), [1], route, bucket_bytes)
+        else:
+            result["step"] = load_into(transfer.receive(0, snapshot(receiver, -2), route, bucket_bytes), receiver)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert result.get("step") == 5
+    assert_same_state(source, receiver)
+    assert receiver["model"][0].weight.data_ptr() == weight_before  # received in place
+
+
+# ------------------------------------------------------------------------------ rescue files
+def test_best_rescue_skips_unreadable_files_with_one_line_each(tmp_path, capsys):
+    save_rescue(objects(0), 4, tmp_path / "0.pt")
+    save_rescue(objects(0), 6, tmp_path / "1.pt")
+    (tmp_path / "2.pt").write_bytes(b"truncated by a kill mid-write")
+    (tmp_path / "3.pt").write_bytes(pickle.dumps({"step": 99, "state": os.system}, protocol=2))  # code, never run
+    best = best_rescue(tmp_path)
+    assert best is not None and best["step"] == 6
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and all(line.startswith("ftrun: skipping rescue file ") for line in lines), lines
+    restored = objects(1)
+    assert load_into(best, restored) == 6
+
+
+def test_best_rescue_of_no_committed_state_is_none(tmp_path):
+    save_rescue(objects(0), -1, tmp_path / "0.pt")
+    assert best_rescue(tmp_path) is None
