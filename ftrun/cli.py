@@ -116,8 +116,9 @@ def run(
         help="Seconds without a lease renewal before a node is declared lost (and fences)."),
     no_fork_server: bool = typer.Option(
         False, "--no-fork-server", rich_help_panel=RECOVERY_PANEL,
-        help="Start every worker as a new Python process, as torchrun does, never forked from the warm fork "
-             "server."),
+        help="Start every worker as a new Python process, as torchrun does. By default the workers of a script "
+             "that imports torch are forked from a process that imported torch once (the fork server), so a "
+             "launch, a group restart or a --respawn replacement skips the seconds of importing it."),
     metrics_port: Optional[int] = typer.Option(
         None, "--metrics-port", metavar="PORT", rich_help_panel=HEALTH_PANEL,
         help="Serve Prometheus metrics on this port (each node's agent, all interfaces; read-only)."),

@@ -59,8 +59,9 @@ class ForkRefused(Exception):
 
 def can_serve(command: list[str]) -> bool:
     """Whether workers of this command line can come from a fork server: this Python running ``-u`` and a
-    script, ``-m module`` or ``-c`` (ftrun's own forms, not --no-python's program)."""
-    return len(command) >= 3 and command[0] == sys.executable and command[1] == "-u"
+    script, or --run-path's ``-c``. ``-m module`` and --no-python's program start as new processes, as
+    torchrun starts them."""
+    return len(command) >= 3 and command[0] == sys.executable and command[1] == "-u" and command[2] != "-m"
 
 
 class ForkServer:
@@ -115,12 +116,12 @@ class ForkServer:
             if error.errno == errno.EMSGSIZE:  # this request only: another worker's may fit
                 raise ForkRefused(f"a request of {len(request)} bytes is too large for the fork server",
                                   gone=False) from None
-            self._give_up(GONE, f"it stopped taking requests: {error}")
+            self._give_up(GONE, f"stopped taking requests: {error}")
             raise ForkRefused(f"the fork server {self.reason}", gone=True) from None
         try:
             reply = self._receive()
         except OSError as error:  # TimeoutError, or the server ended
-            self._give_up(GONE, f"it did not answer a request: {error}")
+            self._give_up(GONE, f"did not answer a request: {error}")
             raise ForkRefused(f"the fork server {self.reason}", gone=True) from None
         if "pid" not in reply:
             raise ForkRefused(f"the fork server could not fork: {reply.get('error')}", gone=False)
@@ -147,7 +148,7 @@ class ForkServer:
         try:
             message = self._receive()
         except ConnectionError:
-            self._give_up(UNUSABLE, f"it ended while importing (exit {self.proc.wait()}; see its log)")
+            self._give_up(UNUSABLE, f"ended while importing (exit {self.proc.wait()}; see its log)")
             return
         if message.get("ready"):
             self.state = READY

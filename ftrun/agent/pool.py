@@ -10,7 +10,7 @@ from typing import Any
 
 from ftrun import events
 from ftrun.agent.env import launch_env, worker_env
-from ftrun.agent.forkserver import STARTING, ForkRefused, ForkServer, can_serve
+from ftrun.agent.forkserver import STARTING, UNUSABLE, ForkRefused, ForkServer, can_serve
 from ftrun.agent.output import WorkerOutput, render_prefix
 from ftrun.agent.ports import EventSink
 from ftrun.agent.script_imports import script_imports_torch
@@ -115,21 +115,27 @@ class WorkerPool:
         """Start this node's fork server where it helps (a Python script that imports torch, and no
         --no-fork-server); whether one was started. It imports in the background."""
         config = self.config
-        if not (config.fork_server and can_serve(config.command) and script_imports_torch(config.command,
-                                                                                            config.script)):
+        if not (config.fork_server and can_serve(config.command) and script_imports_torch(config.script)):
             return False
-        self.fork_server = ForkServer(config.command, launch_env(config), self.run_dir / "fork_server.log",
-                                      self.events, config.node_rank)
+        try:
+            self.fork_server = ForkServer(config.command, launch_env(config), self.run_dir / "fork_server.log",
+                                          self.events, config.node_rank)
+        except OSError as error:
+            self.console.notice(f"ftrun: no fork server ({error}); workers start as new processes", style="yellow")
+            return False
         return True
 
     def await_fork_server(self, timeout: float, interrupt: int | None) -> None:
         """Wait up to ``timeout`` seconds for a fork server still importing, or until ``interrupt`` is
-        readable (a signal came); the wait is shown as progress."""
+        readable (a signal came); the wait is shown as progress, a server found unusable in one line."""
         server = self.fork_server
         if server is not None and server.state == STARTING:
             self.console.progress(f"importing torch once for every worker (fork server): up to {timeout:.0f} s")
             server.ready(wait=timeout, interrupt=interrupt)
             self.console.progress(None)
+            if server.state == UNUSABLE:
+                self.console.notice(f"ftrun: fork server unusable: {server.reason}; workers start as new "
+                                    f"processes (its log: {self.run_dir / 'fork_server.log'})", style="yellow")
 
     def stop_fork_server(self) -> None:
         """Stop the fork server (at the end of the run: no worker of this node is left)."""

@@ -2,17 +2,15 @@
 
 The script is parsed, not run; so are the modules it imports from its own directory tree (its package,
 ``from model import Net``...), up to :data:`MAX_FILES` files. Any ``import torch...`` / ``from torch...``
-statement counts (or ``import ftrun``: its worker API imports torch), wherever it is (a function that imports torch will run, or the import would not be there).
-A script that reaches torch only through an installed package of its own is not recognised: its workers
+statement counts (or ``import ftrun``: its worker API imports torch), wherever it is: a function that
+imports torch will run, or the import would not be there. A script that reaches torch only through an installed package of its own is not recognised: its workers
 start as new processes, as without a fork server.
 """
 
 from __future__ import annotations
 
 import ast
-import importlib.machinery
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,13 +20,9 @@ TORCH = ("torch", "ftrun")
 """Packages whose import means torch (ftrun's worker API imports it)."""
 
 
-def script_imports_torch(command: list[str], script: str) -> bool:
-    """Whether the workers' script (``script``, a path, or a module with ``python -u -m``) imports torch."""
-    cwd = os.getcwd()
-    if command[2:3] == ["-m"]:
-        found = module_source(script, [cwd, *sys.path[1:]])  # the worker's sys.path, but for its [0]
-        return found is not None and imports_torch(*found)
-    path = Path(cwd, script)
+def script_imports_torch(script: str) -> bool:
+    """Whether the workers' script (a path, relative to the working directory) imports torch."""
+    path = Path(os.getcwd(), script)
     return imports_torch(path, path.resolve().parent)
 
 
@@ -49,25 +43,6 @@ def imports_torch(entry: Path, root: Path) -> bool:
                 return True
             todo.extend(_sources(base, name))
     return False
-
-
-def module_source(name: str, search: list[str]) -> tuple[Path, Path] | None:
-    """Where ``-m name`` finds its source, without importing anything: (the file, its sys.path entry)."""
-    parts = name.split(".")
-    for entry in search:
-        spec = importlib.machinery.PathFinder.find_spec(parts[0], [entry])
-        for depth in range(1, len(parts)):
-            if spec is None or not spec.submodule_search_locations:
-                spec = None
-                break
-            spec = importlib.machinery.PathFinder.find_spec(".".join(parts[:depth + 1]),
-                                                            list(spec.submodule_search_locations))
-        if spec is not None and spec.origin and spec.origin.endswith(".py"):
-            origin = Path(spec.origin)
-            if origin.name == "__init__.py":  # -m runs a package's __main__
-                origin = origin.parent / "__main__.py"
-            return origin, Path(entry)
-    return None
 
 
 def _imported(tree: ast.AST, path: Path, root: Path) -> Iterator[tuple[Path, str]]:

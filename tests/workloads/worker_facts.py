@@ -1,8 +1,13 @@
 """Write what a worker process can see of how it was started to OUT_DIR/facts_<restart count>_<local rank>.json.
 
+usage: worker_facts.py OUT_DIR [PLAN]
+
 A torch script (it imports torch first, so ftrun starts it from the fork server): the comparison of a forked
-worker with a new process in tests/agent/test_forkserver.py reads these files.
---fail-first-attempt: rank 1 exits with code 3 on attempt 0, after writing its facts.
+worker with a new process in tests/agent/test_forkserver.py reads these files. Each worker prints
+``facts attempt=A rank=R`` once its file is written. PLAN says, per attempt (comma-separated, from attempt
+0; attempts past its end are ``ok``), what happens once every worker of the attempt has written its facts
+(a Gloo barrier): ``ok`` every worker exits 0; ``exit`` rank 1 exits with code 3; ``signal`` rank 0 dies of
+SIGUSR1; ``hold`` (no barrier) every worker waits for a signal.
 """
 
 import torch  # noqa: F401  (first: what makes this a torch script)
@@ -82,5 +87,18 @@ path = os.path.join(out_dir, f"facts_{attempt}_{local_rank}.json")
 with open(path + ".tmp", "w") as f:
     json.dump(facts, f)
 os.replace(path + ".tmp", path)
-if "--fail-first-attempt" in sys.argv and attempt == "0" and os.environ["RANK"] == "1":
+print(f"facts attempt={attempt} rank={os.environ['RANK']}", flush=True)
+plan = sys.argv[2].split(",") if len(sys.argv) > 2 else []
+action = plan[int(attempt)] if int(attempt) < len(plan) else "ok"
+if action == "hold":
+    while True:
+        signal.pause()
+import torch.distributed as dist  # noqa: E402  (after the facts: its threads are not the start's)
+
+dist.init_process_group("gloo")
+dist.barrier()
+if action == "exit" and os.environ["RANK"] == "1":
     sys.exit(3)
+if action == "signal" and os.environ["RANK"] == "0":
+    os.kill(os.getpid(), signal.SIGUSR1)
+dist.destroy_process_group()

@@ -1,6 +1,6 @@
 """ftrun's fork server: a process that has imported torch once and forks workers that start ready to train.
 
-The agent starts this process with the worker's own command line (``python -u script.py args``, ``-m``, or
+The agent starts this process with the worker's own command line (``python -u script.py args``, or
 --run-path's ``-c``) and this file's directory first on PYTHONPATH, so Python loads it as ``sitecustomize``
 while it starts up: after its own initialisation (flags, stdio, signals, sys.argv) and before it puts the
 script's directory at sys.path[0] and runs the script. Here the process imports what a torch training
@@ -240,8 +240,6 @@ def _script_dir(argv: list[str]) -> str | None:
         return None
     if argv[0] == "-c":
         return ""
-    if argv[0] == "-m":
-        return os.getcwd()
     return os.path.dirname(os.path.realpath(argv[0]))
 
 
