@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -108,8 +109,9 @@ def test_the_fork_server_killed_mid_run_leaves_workers_starting_as_new_processes
     assert sorted(e["exitcode"] for e in run.of("worker_exit")) == [-signal.SIGKILL] * NPROC + [0] * NPROC, why
     assert [e["state"] for e in run.of("fork_server")] == ["ready", "gone"], why
     notices = [line for line in stderr.splitlines() if "new processes" in line]
-    assert notices == ["ftrun: the fork server stopped taking requests: [Errno 32] Broken pipe; workers start as "
-                       "new processes from now on"], why
+    assert len(notices) == 1 and re.fullmatch(r"ftrun: the fork server (stopped taking requests|did not answer a "
+                                              r"request): .+; workers start as new processes from now on",
+                                              notices[0]), why
     assert "Traceback" not in stderr, why
     assert all((out / f"facts_1_{rank}.json").is_file() for rank in range(NPROC)), why
 
