@@ -34,7 +34,8 @@ from ftrun.processes import die_with_parent
 
 PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo")
 """What the server imports: what a DDP script has imported by its first optimizer step (DDP's constructor
-imports torch._dynamo, and with it sympy); measured in scripts/bench_launch.py."""
+imports torch._dynamo, and with it sympy). After these, scripts/bench_workloads/plain_ddp.py imports only its
+own modules on its way to its first step."""
 SITE_DIR = Path(__file__).resolve().parent / "fork_site"
 """The directory put first on the server's PYTHONPATH: it holds only the server's ``sitecustomize.py``."""
 VARIABLE = "FTRUN_FORK_SERVER"
