@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from ftrun.agent.forkserver import can_serve
@@ -78,23 +79,33 @@ def test_a_forked_worker_is_a_new_process_to_the_script_and_restarts_from_the_se
         assert len(set(values)) == len(values), key
 
 
+def start_holding(launcher_env: dict[str, str], script: str, tmp_path: Path, nproc: int) -> tuple[subprocess.Popen,
+                                                                                                 list[dict]]:
+    """Start ftrun over worker_facts.py whose first attempt holds; (ftrun, its events) once every worker held."""
+    logs, out = tmp_path / "logs", tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "ftrun", "--nproc-per-node", str(nproc), "--max-restarts", "1",
+                             "--log-dir", str(logs), script, str(out), "hold"],
+                            env=launcher_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    held = 0
+    for line in proc.stdout:  # each worker says when its facts are written
+        held += "facts attempt=0" in line
+        if held == nproc:
+            break
+    if held < nproc:
+        proc.kill()
+        raise AssertionError(f"ftrun ended before its workers held (exit {proc.wait()}): {proc.stderr.read()}")
+    (events_file,) = logs.glob("*/events.jsonl")
+    return proc, [json.loads(line) for line in events_file.read_text().splitlines()]
+
+
 def test_the_fork_server_killed_mid_run_leaves_workers_starting_as_new_processes(launcher_env, workload, tmp_path):
     # attempt 0 holds; killing the server kills its children (as the agent's death kills a worker), so the
     # group restarts, from new processes, and attempt 1 succeeds
     logs, out = tmp_path / "logs", tmp_path / "out"
-    out.mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "ftrun", "--nproc-per-node", str(NPROC), "--max-restarts", "1",
-                             "--log-dir", str(logs), workload("worker_facts.py"), str(out), "hold"],
-                            env=launcher_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc, events = start_holding(launcher_env, workload("worker_facts.py"), tmp_path, NPROC)
     try:
-        held = 0
-        for line in proc.stdout:  # each worker says when its facts are written
-            held += "facts attempt=0" in line
-            if held == NPROC:
-                break
-        assert held == NPROC, proc.stderr.read()
-        (events_file,) = logs.glob("*/events.jsonl")
-        (server,) = [e for e in map(json.loads, events_file.read_text().splitlines()) if e["event"] == "fork_server"]
+        (server,) = [e for e in events if e["event"] == "fork_server"]
         os.kill(server["pid"], signal.SIGKILL)
         stdout, stderr = proc.communicate(timeout=TIMEOUT)
     finally:
@@ -114,6 +125,17 @@ def test_the_fork_server_killed_mid_run_leaves_workers_starting_as_new_processes
                                               notices[0]), why
     assert "Traceback" not in stderr, why
     assert all((out / f"facts_1_{rank}.json").is_file() for rank in range(NPROC)), why
+
+
+def test_ftrun_killed_with_sigkill_takes_the_fork_server_and_its_workers_along(launcher_env, workload, tmp_path):
+    proc, events = start_holding(launcher_env, workload("worker_facts.py"), tmp_path, 1)
+    pids = [e["pid"] for e in events if e["event"] in ("fork_server", "worker_start")]
+    processes = [psutil.Process(pid) for pid in pids]
+    assert len(processes) == 2 and [e["forked"] for e in events if e["event"] == "worker_start"] == [True]
+    proc.kill()
+    proc.communicate(timeout=30)
+    _, alive = psutil.wait_procs(processes, timeout=10)  # both die with their parents (PR_SET_PDEATHSIG)
+    assert alive == []
 
 
 @pytest.mark.fast
