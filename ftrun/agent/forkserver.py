@@ -106,9 +106,10 @@ class ForkServer:
                 self._read_state()
         return self.state == READY
 
-    def fork(self, env: dict[str, str], channel_variable: str, fds: tuple[int, int, int, int]) -> int:
+    def fork(self, env: dict[str, str], channel_variable: str, fds: tuple[int, int, int, int]) -> tuple[int, int]:
         """Fork a worker with environment ``env`` (its channel's descriptor number set in ``channel_variable``)
-        and the descriptors (stdout, stderr, channel, status pipe); its pid. Raises :class:`ForkRefused`."""
+        and the descriptors (stdout, stderr, channel, status pipe); its pid and a pidfd of it (the caller's to
+        close). Raises :class:`ForkRefused`."""
         request = json.dumps({"env": env, "cwd": os.getcwd(), "channel_variable": channel_variable}).encode()
         self.control.settimeout(REPLY_TIMEOUT)
         try:
@@ -120,13 +121,15 @@ class ForkServer:
             self._give_up(GONE, f"stopped taking requests: {error}")
             raise ForkRefused(f"the fork server {self.reason}", gone=True) from None
         try:
-            reply = self._receive()
+            reply, pidfds = self._receive()
         except OSError as error:  # TimeoutError, or the server ended
             self._give_up(GONE, f"did not answer a request: {error}")
             raise ForkRefused(f"the fork server {self.reason}", gone=True) from None
-        if "pid" not in reply:
+        if "pid" not in reply or len(pidfds) != 1:
+            for fd in pidfds:
+                os.close(fd)
             raise ForkRefused(f"the fork server could not fork: {reply.get('error')}", gone=False)
-        return int(reply["pid"])
+        return int(reply["pid"]), pidfds[0]
 
     def close(self) -> None:
         """Stop the server (its forked workers, if any are left, die with it) and collect it."""
@@ -136,18 +139,21 @@ class ForkServer:
         self.proc.wait()
 
     # ------------------------------------------------------------------ internals
-    def _receive(self) -> dict[str, Any]:
-        """The server's next message; OSError (ConnectionError at EOF) when there is none to come."""
-        data = self.control.recv(65536)
+    def _receive(self) -> tuple[dict[str, Any], list[int]]:
+        """The server's next message and the descriptors it carries; OSError (ConnectionError at EOF) when there
+        is none to come."""
+        data, fds, _, _ = socket.recv_fds(self.control, 65536, 1)
         if not data:
+            for fd in fds:
+                os.close(fd)
             raise ConnectionResetError("the fork server ended")
-        return json.loads(data)
+        return json.loads(data), fds
 
     def _read_state(self) -> None:
         """Take the server's first message (ready, or why not; it has come), or learn that the server ended
         before sending one."""
         try:
-            message = self._receive()
+            message, _ = self._receive()  # carries no descriptor
         except ConnectionError:
             self._give_up(UNUSABLE, f"ended while importing (exit {self.proc.wait()}; see its log)")
             return

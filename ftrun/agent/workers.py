@@ -159,7 +159,7 @@ def fork_worker(server: ForkServer, slot: WorkerSlot, env: dict[str, str], error
     (out_r, out_w), (err_r, err_w), (status_r, status_w) = pipes
     env = dict(env, TORCHELASTIC_ERROR_FILE=str(error_file))
     try:
-        pid = server.fork(env, CHANNEL_VARIABLE, (out_w, err_w, worker_end.fileno(), status_w))
+        pid, pidfd = server.fork(env, CHANNEL_VARIABLE, (out_w, err_w, worker_end.fileno(), status_w))
     except ForkRefused:
         agent_end.close()
         for fd in (out_r, err_r, status_r):
@@ -169,8 +169,6 @@ def fork_worker(server: ForkServer, slot: WorkerSlot, env: dict[str, str], error
         worker_end.close()
         for fd in (out_w, err_w, status_w):
             os.close(fd)
-    agent_end.setblocking(False)
-    pidfd = os.pidfd_open(pid)
     return Worker(slot=slot, pid=pid, pidfd=pidfd, stdout=open(out_r, "rb"), stderr=open(err_r, "rb"),
                   channel=agent_end, error_file=error_file, started_at=time.monotonic(),
                   exit=ReportedExit(status_r, pidfd))

@@ -116,8 +116,11 @@ class Server:
         os.dup2(self.log, 2)
         os.close(self.log)
 
-    def _report(self, message: dict[str, Any]) -> None:
-        self.control.send(json.dumps(message).encode())
+    def _report(self, message: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
+        if fds:
+            socket.send_fds(self.control, [json.dumps(message).encode()], list(fds))
+        else:
+            self.control.send(json.dumps(message).encode())
 
     def _serve(self) -> Child:
         self.selector = selectors.DefaultSelector()
@@ -162,7 +165,9 @@ class Server:
         pidfd = os.pidfd_open(pid)
         self.children[pidfd] = (pid, status)
         self.selector.register(pidfd, selectors.EVENT_READ)
-        self._report({"pid": pid})
+        # The agent gets a pidfd of its own, opened before this process can reap the child: a bare pid could
+        # be gone, or another process's, by the time the agent opened one.
+        self._report({"pid": pid}, (pidfd,))
         return None
 
     def _reap(self, pidfd: int) -> None:
