@@ -9,7 +9,7 @@ command line's sys.argv, sys.path[0] and ``__main__``, so the script sees a work
 ``python -u script.py args``; see the README, "How workers start", for what differs.
 
 The agent talks to the server over a SOCK_SEQPACKET socket: one JSON message per request or answer, the
-worker's descriptors passed along (SCM_RIGHTS). The server is the forked workers' parent and reaps them;
+worker's descriptors passed along with a request and a pidfd of the forked child with its answer (SCM_RIGHTS). The server is the forked workers' parent and reaps them;
 it writes each one's wait status to a pipe the agent gave with the request, which the agent's event loop
 watches as it watches a spawned worker's pidfd.
 """
