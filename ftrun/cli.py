@@ -114,6 +114,11 @@ def run(
     node_timeout: float = typer.Option(
         10.0, "--node-timeout", rich_help_panel=NODES_PANEL,
         help="Seconds without a lease renewal before a node is declared lost (and fences)."),
+    no_fork_server: bool = typer.Option(
+        False, "--no-fork-server", rich_help_panel=RECOVERY_PANEL,
+        help="Start every worker as a new Python process, as torchrun does. By default the workers of a script "
+             "that imports torch are forked from a process that imported torch once (the fork server), so a "
+             "launch, a group restart or a --respawn replacement skips the seconds of importing it."),
     metrics_port: Optional[int] = typer.Option(
         None, "--metrics-port", metavar="PORT", rich_help_panel=HEALTH_PANEL,
         help="Serve Prometheus metrics on this port (each node's agent, all interfaces; read-only)."),
@@ -194,7 +199,7 @@ def run(
         local_ranks_filter=local_ranks_filter, local_addr=local_addr, signals_to_handle=signals_to_handle,
         shutdown_timeout=shutdown_timeout, log_line_prefix_template=log_line_prefix_template,
         virtual_local_rank=virtual_local_rank, hostfile=hostfile, host_list=hosts, node_timeout=node_timeout,
-        metrics_port=metrics_port, resume_from=resume_from,
+        metrics_port=metrics_port, resume_from=resume_from, fork_server=not no_fork_server,
         unsupported={"--logs-specs": logs_specs, "--numa-binding": numa_binding,
                      "--duplicate-stdout-filters": duplicate_stdout_filters,
                      "--duplicate-stderr-filters": duplicate_stderr_filters,

@@ -184,6 +184,7 @@ class LaunchConfig:
     secret: str = field(default_factory=new_secret, repr=False)  # the run's: signs every value in the store
     node_timeout: float = 10.0  # a node whose lease is older than this is lost; an agent that cannot renew fences
     metrics_port: int | None = None  # --metrics-port: every agent serves Prometheus metrics on it
+    fork_server: bool = True  # later workers are forked from a process that has imported torch (--no-fork-server)
     run_name: str | None = None  # the run directory's name, shared by every node of a multi-node job
     hosts: list[Host] | None = None  # --hostfile / -H: launch one agent per host from here
     under_launcher: bool = False  # this agent was started by a --hostfile launcher, which registers the run
@@ -288,6 +289,7 @@ def build_config(
     node_timeout: float = 10.0,
     metrics_port: int | None = None,
     resume_from: str | None = None,
+    fork_server: bool = True,
 ) -> LaunchConfig:
     """Validate the flags and build the one :class:`LaunchConfig` the launch runs on."""
     for flag, value in unsupported.items():
@@ -401,6 +403,7 @@ def build_config(
         secret=_secret(scheduled=max_nodes > 1 and hosts is None),
         node_timeout=node_timeout,
         metrics_port=metrics_port,
+        fork_server=fork_server,
         hosts=hosts,
         xid_table=xid_table,
         resume_from=resume_dir,

@@ -42,8 +42,9 @@ class EventKind:
 
 START = EventKind("start", ("run_id", "command", "node", "nproc", "world_size", "store_port"))
 """An agent started (one per node)."""
-WORKER_START = EventKind("worker_start", ("uid", "rank", "local_rank", "pid", "joiner", "attempt", "node"))
-"""A worker process started; ``joiner``: a spare or replacement that waits to be placed."""
+WORKER_START = EventKind("worker_start", ("uid", "rank", "local_rank", "pid", "joiner", "attempt", "node"), ("forked",))
+"""A worker process started; ``joiner``: a spare or replacement that waits to be placed; ``forked``: by the
+fork server (else started as a new process)."""
 WORKER_EXIT = EventKind("worker_exit", ("uid", "rank", "pid", "exitcode", "node"))
 """A worker process ended; ``exitcode`` < 0 means killed by that signal."""
 FAULT = EventKind("fault", ("uid", "rank", "pid", "how", "message", "gen"))
@@ -92,6 +93,9 @@ ftrun stops waiting for it and treats it as lost."""
 WRITES_DROPPED = EventKind("writes_dropped", ("what", "count", "since", "error"))
 """Writes that failed (a full disk) were dropped: ``count`` of them to ``what`` from ``since`` (wall clock),
 with ``error``; recorded once writing works again."""
+FORK_SERVER = EventKind("fork_server", ("pid", "state", "reason", "node"), ("seconds", "modules"))
+"""The node's fork server is ``ready`` (its imports took ``seconds``), ``unusable`` (``reason``: workers start as
+new processes) or ``gone`` (it stopped answering; later workers start as new processes)."""
 GPU_HEALTH = EventKind("gpu_health", ("kind", "gpu", "local_rank", "value", "action", "reason", "source", "detail",
                                       "pids"))
 """A GPU health signal (NVML, or a drill) and the action taken on the workers using that GPU."""
@@ -99,7 +103,7 @@ GPU_HEALTH = EventKind("gpu_health", ("kind", "gpu", "local_rank", "value", "act
 KINDS: dict[str, EventKind] = {kind.name: kind for kind in (
     START, WORKER_START, WORKER_EXIT, FAULT, GENERATION, RECOVERY, RECOVERY_REFUSED, RECOVERY_FAILED, RESCUE,
     JOINER_READY, JOINER_LOST, GROUP_FAILURE, PROGRESS, RESUMED, ATTEMPT_END, END, LINK_FAULT, HANG, INJECT, NODE_LOST,
-    FENCED, GPU_HEALTH, UNKILLABLE, WRITES_DROPPED)}
+    FENCED, GPU_HEALTH, UNKILLABLE, WRITES_DROPPED, FORK_SERVER)}
 """Every kind of event, by name."""
 
 

@@ -31,7 +31,7 @@ RECENT_RECOVERIES = 10
 _EVENT_FIELDS = ("time", "event", "rank", "pid", "how", "gen", "world_size", "reason", "lost_ranks",
                  "world_before", "world_after", "latency", "steps_lost", "outcome", "attempt", "silent_for",
                  "last_step", "signal", "kind", "uid", "node", "ranks", "gpu", "local_rank", "value", "action",
-                 "args", "best_step")
+                 "args", "best_step", "state", "seconds")
 _RECOVERY_FIELDS = ("time", "kind", "gen", "latency", "phases", "lost_ranks", "world_before", "world_after",
                     "steps_lost", "resumed_at_step")
 

@@ -5,7 +5,7 @@ Recovery drills (``--drills`` each, alternating; every drill is a separate run o
 scripts/bench_workloads/train_ckpt.py: examples/train_ddp.py's training through the ftrun worker API,
 which under torchrun also saves a checkpoint every ``--ckpt-every`` steps and resumes from it after a
 group restart. When the job's output shows step ``--kill-at`` committed, this process finds the worker
-with RANK=1 among the launcher's descendants (/proc/<pid>/environ), takes time.time() and sends it
+with RANK=1 (bench_runs.worker_with_rank), takes time.time() and sends it
 SIGKILL. Per drill:
 
 * recovery latency: from that time.time() to the ``t=`` (the worker's time.time()) of the first step
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench_runs import Run, command_line, ended, lines, machine, start, stop, worker_with_rank
+from bench_runs import Run, command_line, ended, ftrun_run_dir, lines, machine, start, stop, worker_with_rank
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "scripts" / "bench_workloads" / "train_ckpt.py"
@@ -122,7 +122,7 @@ def follow(run: Run, launcher: str, args: argparse.Namespace) -> Drill:
     """Read the drill's output: kill at the target step, then time the recovery from the step lines."""
     killed_at = killed_after = last_before = -1
     resumed: tuple[int, float] | None = None
-    run_dir: str | None = None
+    run_dir: Path | None = None
     for _, line in lines(run, args.timeout):
         match = TRAIN_LINE.search(line)
         if not match:
@@ -131,7 +131,7 @@ def follow(run: Run, launcher: str, args: argparse.Namespace) -> Drill:
         recovered = world < WORLD or attempt > 0
         if killed_at < 0 and step >= args.kill_at:
             worker = worker_with_rank(run.proc.pid, 1, TRAIN.name)
-            run_dir = worker.environ().get("FTRUN_RUN_DIR")
+            run_dir = ftrun_run_dir(run.proc.pid)
             killed_at, killed_after = time.time(), step
             os.kill(worker.pid, signal.SIGKILL)
         if not recovered:
@@ -140,7 +140,7 @@ def follow(run: Run, launcher: str, args: argparse.Namespace) -> Drill:
         if resumed is None:
             resumed = (step, stamp - killed_at)
         if step > last_before:
-            event = recovery_event(Path(run_dir)) if run_dir else None
+            event = recovery_event(run_dir) if run_dir else None
             return Drill(launcher, killed_after, last_before, resumed[0], resumed[1], stamp - killed_at, event)
     raise ended(run)
 

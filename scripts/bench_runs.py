@@ -9,6 +9,7 @@ where and how a benchmark ran, for its printed report.
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import shlex
@@ -24,6 +25,9 @@ from pathlib import Path
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ftrun import registry  # noqa: E402  (torch-free)
 
 
 @dataclass
@@ -93,14 +97,30 @@ def stop(run: Run) -> None:
 
 
 def worker_with_rank(launcher_pid: int, rank: int, script: str) -> psutil.Process:
-    """The launcher's descendant running ``script`` (a file name) with RANK=``rank`` in its environment."""
-    for process in psutil.Process(launcher_pid).children(recursive=True):
-        try:
-            if process.environ().get("RANK") == str(rank) and script in " ".join(process.cmdline()):
-                return process
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
+    """The launcher's live worker running ``script`` (a file name) as RANK ``rank``.
+
+    torchrun's workers show RANK in /proc/<pid>/environ. A worker that ftrun's fork server forked shows the
+    environment its process started with there, the server's: ftrun's workers are found in its event log.
+    """
+    run_dir = ftrun_run_dir(launcher_pid)
+    if run_dir is not None:
+        events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line]
+        for event in reversed(events):
+            if event["event"] == "worker_start" and event["rank"] == rank and psutil.pid_exists(event["pid"]):
+                return psutil.Process(event["pid"])
+    else:
+        for process in psutil.Process(launcher_pid).children(recursive=True):
+            try:
+                if process.environ().get("RANK") == str(rank) and script in " ".join(process.cmdline()):
+                    return process
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
     raise RuntimeError(f"no worker with RANK={rank} found")
+
+
+def ftrun_run_dir(launcher_pid: int) -> Path | None:
+    """The run directory of the ftrun job that process ``launcher_pid`` launched (None: not an ftrun job)."""
+    return next((Path(e.run_dir) for e in registry.running() if e.pid == launcher_pid), None)
 
 
 def machine() -> str:

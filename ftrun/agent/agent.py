@@ -53,6 +53,8 @@ STORE_TIMEOUT = 300.0
 """Seconds an agent's store calls may wait (a follower waits this long for node 0 to serve the store)."""
 SIGNAL, MAIL, GPU = "signal", "mail", "gpu"
 """The tags of the agent's own selector registrations."""
+FORK_SERVER_WAIT = 300.0
+"""Seconds the first workers wait for the fork server's imports before they start as new processes instead."""
 
 
 class Agent:
@@ -97,6 +99,8 @@ class Agent:
         self.log.listeners.append(self.status.tally.add)
         self.local_world = config.nproc_per_node
         """Training workers this attempt starts on this node: fewer than --nproc-per-node after a GPU eviction."""
+        self.signal_fd: int | None = None
+        """Readable when a handled signal has come (SignalWake's pipe), while the agent runs."""
         self.restarted_after: float | None = None
         """Wall-clock time of the failure that ended the previous attempt (None in the first)."""
         drills = Drills(self.log, self.run_name, config.node_rank, self.ranked_workers,
@@ -132,6 +136,7 @@ class Agent:
                                     "run's secret (--secret-file)", style="yellow")
         try:
             with SignalWake(handled) as wake:
+                self.signal_fd = wake.fd
                 self.selector.register(wake.fd, selectors.EVENT_READ, (SIGNAL, wake))
                 self.selector.register(mail_r, selectors.EVENT_READ, (MAIL, mail_r))
                 self.selector.register(self.gpu_health.wake_fd, selectors.EVENT_READ, (GPU, None))
@@ -141,6 +146,7 @@ class Agent:
                     for fd in (wake.fd, mail_r, self.gpu_health.wake_fd):
                         self.selector.unregister(fd)
         finally:
+            self.pool.stop_fork_server()
             self.gpu_health.stop()
             for service in (self.mail, self.lease):
                 if service is not None:
@@ -163,12 +169,12 @@ class Agent:
             return None
 
     def _run_attempts(self, mail_w: int) -> int:
+        if self.pool.start_fork_server():  # the agent imports torch for the store while the server imports it
+            self._serve_store(mail_w)
         while True:
             self._start_group()
             if self.store is None:  # while the workers start (and import torch); registered once it answers
-                self.store = self._open_store(mail_w)
-                for text, style in startup_notices():  # torch is loaded now (for the store): nothing imported for this
-                    self.console.notice(text, style=style)
+                self._serve_store(mail_w)
             pids = " ".join(str(w.pid) for w in self.pool.all())
             self.console.notice(f"ftrun: run {self.config.run_id}, attempt {self.restart_count}: "
                                 f"{len(self.pool.all())} workers (pids {pids}); events in {self.run_dir}/events.jsonl",
@@ -216,6 +222,12 @@ class Agent:
         """The leader's last line: steps, faults, recoveries, time lost, goodput."""
         if self.leader:
             self.console.notice(run_summary(self.status.tally, time.time()), style="bold")
+
+    def _serve_store(self, mail_w: int) -> None:
+        """Serve or reach the job's store, and say what start-up found (NCCL's version)."""
+        self.store = self._open_store(mail_w)
+        for text, style in startup_notices():  # torch is loaded now (for the store): nothing imported for this
+            self.console.notice(text, style=style)
 
     def _connect(self, timeout: float = STORE_TIMEOUT) -> JobStore:
         """A new client connection to the job's store."""
@@ -292,6 +304,8 @@ class Agent:
         """
         self.attempt_failure = None
         self.gpu_health.restarts.clear()  # uids are numbered per attempt
+        # Workers started now would each import torch: the fork server, importing it once, is done sooner.
+        self.pool.await_fork_server(FORK_SERVER_WAIT, self.signal_fd)
         local_ranks = self.gpu_health.usable_ranks(self.config.nproc_per_node)
         self.local_world = len(local_ranks)
         self.pool.new_attempt(self.restart_count, self.sizes,

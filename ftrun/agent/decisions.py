@@ -169,8 +169,11 @@ def decide_fault(m: Membership, options: RecoveryOptions, lost: Sequence[int], r
     return Decision(Act.NEW_PLAN, what, next_plan(m.plan, lost, m.ready, m.target, what))
 
 
-def decide_join(m: Membership, options: RecoveryOptions, recovery: Recovery | None) -> Decision:
-    """Whether ready joiners fill the current generation now (NEW_PLAN), must wait for more (WAIT), or not."""
+def decide_join(m: Membership, options: RecoveryOptions, recovery: Recovery | None, rescuing: bool = False) -> Decision:
+    """Whether ready joiners fill the current generation now (NEW_PLAN), must wait for more (WAIT), or not;
+    ``rescuing``: the live workers are saving their state for a group restart."""
+    if rescuing:  # a joiner ready just after the recovery gave up would get a plan the stopping group never forms
+        return Decision(Act.NONE, "the group is restarting; joiners are not placed")
     if recovery is not None and recovery.waiting_since is None:
         return Decision(Act.NONE, "a recovery is under way; joiners are placed once it is done")
     if not m.ready or len(m.plan.members) >= m.target or m.left_loop or m.finished:

@@ -8,6 +8,19 @@ from pathlib import Path
 from ftrun.config import LaunchConfig
 
 
+def launch_env(config: LaunchConfig) -> dict[str, str]:
+    """What every worker of this launch has in its environment: this process's, with torchrun's defaults.
+
+    The fork server runs with exactly this (its imports see what a worker's would); each worker's own
+    variables (:func:`worker_env`) come on top.
+    """
+    env = dict(os.environ)
+    if "OMP_NUM_THREADS" not in env and config.nproc_per_node > 1:
+        env["OMP_NUM_THREADS"] = "1"
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    return env
+
+
 def worker_env(
     config: LaunchConfig,
     *,
@@ -28,10 +41,7 @@ def worker_env(
     configuration's; an attempt started without evicted GPUs' workers passes its smaller sizes.
     ``rescue_from``: the directory of rescued state the workers start from (FTRUN_RESCUE_FROM).
     """
-    env = dict(os.environ)
-    if "OMP_NUM_THREADS" not in env and config.nproc_per_node > 1:
-        env["OMP_NUM_THREADS"] = "1"
-    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    env = launch_env(config)
     sizes = config.sizes if node_sizes is None else node_sizes
     world, local_world = sum(sizes), sizes[config.node_rank]
     env.update(

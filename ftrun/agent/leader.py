@@ -335,7 +335,7 @@ class Leader:
 
     def _place_joiners(self) -> None:
         """Ready joiners fill a generation that is below its target size."""
-        decision = decide_join(self.members, self.options, self.recovery)
+        decision = decide_join(self.members, self.options, self.recovery, self.rescue is not None)
         if decision.act not in (Act.WAIT, Act.NEW_PLAN):
             return
         if self.recovery is None:

@@ -9,10 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from ftrun import events
-from ftrun.agent.env import worker_env
+from ftrun.agent.env import launch_env, worker_env
+from ftrun.agent.forkserver import STARTING, UNUSABLE, ForkRefused, ForkServer, can_serve
 from ftrun.agent.output import LogFiles, WorkerOutput, render_prefix
 from ftrun.agent.ports import EventSink
-from ftrun.agent.workers import Worker, WorkerSlot, spawn_worker
+from ftrun.agent.script_imports import script_imports_torch
+from ftrun.agent.workers import Worker, WorkerSlot, fork_worker, spawn_worker
 from ftrun.config import LaunchConfig
 from ftrun.console import STDERR, STDOUT, Console
 from ftrun.protocol import UID_STRIDE, worker_message_problem
@@ -44,6 +46,7 @@ class WorkerPool:
         self.dropped = 0
         """Lines on the workers' control channels that were not a message the agent knows (and ignored)."""
         self.log_files = LogFiles(console, events, run_dir)
+        self.fork_server: ForkServer | None = None
 
     # ------------------------------------------------------------ the ports' side
     def get(self, uid: int) -> Worker | None:
@@ -87,7 +90,7 @@ class WorkerPool:
         env = worker_env(config, rank=shown_rank, local_rank=local_rank, uid=uid, restart_count=self.attempt,
                          store_port=config.store.port, run_dir=str(self.run_dir), joiner=joiner,
                          node_sizes=self.sizes, rescue_from=self.rescue_from)
-        worker = spawn_worker(slot, config.command, env, attempt_dir / "error.json")
+        worker = self._start_process(slot, env, attempt_dir / "error.json")
         prefix = render_prefix(config.log_line_prefix_template, config.role, shown_rank, local_rank, config.node_name)
         if joiner and respawn_of is None:
             prefix = f"[spare{uid}]: "
@@ -96,14 +99,59 @@ class WorkerPool:
         self.workers[uid] = worker
         self.outputs[uid] = WorkerOutput(self.console, prefix, shown_rank, console_mask,
                                          attempt_dir if config.log_dir else None, self.log_files)
-        for stream, pipe in ((STDOUT, worker.proc.stdout), (STDERR, worker.proc.stderr)):
+        for stream, pipe in ((STDOUT, worker.stdout), (STDERR, worker.stderr)):
             os.set_blocking(pipe.fileno(), False)
             self.selector.register(pipe, selectors.EVENT_READ, (OUTPUT, (uid, stream)))
-        self.selector.register(worker.pidfd, selectors.EVENT_READ, (EXIT, uid))
+        self.selector.register(worker.exit.fd, selectors.EVENT_READ, (EXIT, uid))
         self.selector.register(worker.channel, selectors.EVENT_READ, (CHANNEL, uid))
         self.events.write(events.WORKER_START, uid=uid, rank=shown_rank, local_rank=local_rank, pid=worker.pid,
-                          joiner=joiner, attempt=self.attempt, node=config.node_rank)
+                          joiner=joiner, attempt=self.attempt, node=config.node_rank, forked=worker.forked)
         return worker
+
+    def _start_process(self, slot: WorkerSlot, env: dict[str, str], error_file: Path) -> Worker:
+        """Fork the worker from the fork server when it is ready; otherwise start it as a new process."""
+        server = self.fork_server
+        if server is not None and server.ready():
+            try:
+                return fork_worker(server, slot, env, error_file)
+            except ForkRefused as refused:
+                if refused.gone:
+                    self.console.notice(f"ftrun: {refused}; workers start as new processes from now on",
+                                        style="yellow")
+        return spawn_worker(slot, self.config.command, env, error_file)
+
+    # ------------------------------------------------------------ the fork server
+    def start_fork_server(self) -> bool:
+        """Start this node's fork server where it helps (a Python script that imports torch, and no
+        --no-fork-server); whether one was started. It imports in the background."""
+        config = self.config
+        if not (config.fork_server and can_serve(config.command) and script_imports_torch(config.script)):
+            return False
+        try:
+            self.fork_server = ForkServer(config.command, launch_env(config), self.run_dir / "fork_server.log",
+                                          self.events, config.node_rank)
+        except OSError as error:
+            self.console.notice(f"ftrun: no fork server ({error}); workers start as new processes", style="yellow")
+            return False
+        return True
+
+    def await_fork_server(self, timeout: float, interrupt: int | None) -> None:
+        """Wait up to ``timeout`` seconds for a fork server still importing, or until ``interrupt`` is
+        readable (a signal came); the wait is shown as progress, a server found unusable in one line."""
+        server = self.fork_server
+        if server is not None and server.state == STARTING:
+            self.console.progress(f"importing torch once for every worker (fork server): up to {timeout:.0f} s")
+            server.ready(wait=timeout, interrupt=interrupt)
+            self.console.progress(None)
+            if server.state == UNUSABLE:
+                self.console.notice(f"ftrun: fork server unusable: {server.reason}; workers start as new "
+                                    f"processes (its log: {self.run_dir / 'fork_server.log'})", style="yellow")
+
+    def stop_fork_server(self) -> None:
+        """Stop the fork server (at the end of the run: no worker of this node is left)."""
+        if self.fork_server is not None:
+            self.fork_server.close()
+            self.fork_server = None
 
     # ------------------------------------------------------------ what the selector reports
     def read_output(self, pipe: Any, uid: int, stream: int) -> bool:
@@ -144,9 +192,9 @@ class WorkerPool:
         return messages
 
     def reap(self, uid: int) -> int:
-        """A worker's pidfd said it ended: collect its exit code, read what it left in its pipes, record it."""
+        """A worker's exit descriptor said it ended: collect its exit code, read what it left in its pipes, record it."""
         worker = self.workers[uid]
-        self.selector.unregister(worker.pidfd)
+        self.selector.unregister(worker.exit.fd)
         code = worker.reap()
         self._drain(uid)
         self.events.write(events.WORKER_EXIT, uid=uid, rank=worker.slot.rank, pid=worker.pid, exitcode=code,
@@ -162,7 +210,7 @@ class WorkerPool:
         for uid, worker in list(self.workers.items()):
             self._drain(uid)
             self.outputs.pop(uid).close()
-            for obj in (worker.proc.stdout, worker.proc.stderr, worker.pidfd, worker.channel):
+            for obj in (worker.stdout, worker.stderr, worker.exit.fd, worker.channel):
                 try:
                     self.selector.unregister(obj)
                 except (KeyError, ValueError):
@@ -172,7 +220,7 @@ class WorkerPool:
     def _drain(self, uid: int) -> None:
         """Read what an ended worker left in its pipes, so its last words reach the log and the report."""
         worker = self.workers[uid]
-        for stream, pipe in ((STDOUT, worker.proc.stdout), (STDERR, worker.proc.stderr)):
+        for stream, pipe in ((STDOUT, worker.stdout), (STDERR, worker.stderr)):
             while self.read_output(pipe, uid, stream):
                 pass
 

@@ -138,6 +138,8 @@ DESCRIPTIONS: dict[str, Callable[[dict[str, Any]], str]] = {
     "resumed": lambda e: f"attempt {e.get('attempt')} resumed at step {e.get('step')}, "
                          f"{e.get('latency', 0):.2f} s after the failure",
     "attempt_end": _attempt_end,
+    "fork_server": lambda e: (f"fork server {e.get('state')}" + (f": {e['reason']}" if e.get("reason") else "")
+                              + (f" (imports took {e['seconds']:.1f} s)" if e.get("seconds") is not None else "")),
     "end": lambda e: str(e.get("outcome")),
 }
 """How :func:`describe` words each kind of event (ftrun.tally.NOTABLE)."""

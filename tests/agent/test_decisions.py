@@ -163,6 +163,12 @@ def test_joiners_wait_when_full_absent_the_training_over_or_a_recovery_running(w
     assert decide_join(m, RecoveryOptions(), recovery).act is Act.NONE
 
 
+def test_a_joiner_ready_once_the_group_is_restarting_is_not_placed():
+    # a worker forked warm can be ready a moment after the wait for it gave up
+    m = Membership(Plan(0, [0, 1, 3]), target=4, ready=[4])
+    assert decide_join(m, RecoveryOptions(min_nproc=4), None, rescuing=True).act is Act.NONE
+
+
 def test_joiners_below_min_nproc_wait_for_more():
     m = Membership(Plan(1, [0]), target=4, ready=[5])
     recovery = Recovery("fault", 0.0, 0.0, 0.0, m.plan, 5, waiting_since=1.0)

@@ -66,6 +66,8 @@ def test_respawned_worker_rejoins_with_a_peers_state_and_world_returns_to_4(laun
     assert [(g["members"], g["joiners"]) for g in generations] == [([0, 1, 3], []), ([0, 1, 3, 4], [4])], why
     respawned = [e for e in run.of("worker_start") if e["uid"] == 4]
     assert respawned[0]["joiner"] and respawned[0]["local_rank"] == 2, why
+    # every worker, the replacement too, came from the fork server (a torch script; none was refused)
+    assert all(e["forked"] for e in run.of("worker_start")) and not run.of("fork_server")[1:], why
     assert {e["uid"]: e["exitcode"] for e in run.of("worker_exit")}[4] == 0, why
     # the joiner committed every step from the rejoin on, as rank 3 of 4, with the baseline's losses
     assert [c.step for c in run.commits()[4]] == list(range(8, STEPS)), why
@@ -79,6 +81,7 @@ def test_spare_takes_over_a_lost_worker_and_world_stays_4(launch, baseline):
     assert recovery["joiners"] == [4], run.explain()
     assert [c.step for c in run.commits()[4]] == list(range(5, STEPS)), run.explain()
     assert len(run.of("recovery")) == 1 and len(run.of("generation")) == 1, run.explain()
+    assert all(e["forked"] for e in run.of("worker_start")), run.explain()  # the spare too: from the fork server
 
 
 # ------------------------------------------------------------------------------------------ fallback

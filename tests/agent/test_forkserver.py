@@ -1,0 +1,185 @@
+"""Workers forked by the fork server (ftrun/agent/forkserver.py) are the workers a new process would be.
+
+Real runs of tests/workloads/worker_facts.py, a torch script that writes what a worker can see of how it was
+started: with the fork server and with --no-fork-server, the facts and the exit statuses are compared; the
+fork server killed mid-run leaves the agent starting workers as new processes. The choice of which scripts
+the server serves is tested on source files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from ftrun.agent.forkserver import can_serve
+from ftrun.agent.script_imports import script_imports_torch
+from ftrun.status.render import describe
+from runs import TIMEOUT, read_run
+
+NPROC = 2
+# What differs between any two runs, forked or not: where each one writes, its port and run id, and the
+# number its control channel's descriptor happens to get (the descriptors' kinds are compared).
+PER_RUN = ("MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "FTRUN_RUN_DIR", "FTRUN_CHANNEL_FD")
+DRAWN = ("torch_seed", "torch_rand", "random")  # drawn anew by each process: must differ between workers
+
+
+def facts_of(out: Path, attempt: int, rank: int) -> dict:
+    return json.loads((out / f"facts_{attempt}_{rank}.json").read_text())
+
+
+def comparable(facts: dict, out: Path) -> dict:
+    """The facts without what differs between any two runs (the output directory named as OUT)."""
+    facts = json.loads(json.dumps(facts).replace(str(out), "OUT"))
+    facts["environ"] = {k: v for k, v in facts["environ"].items() if k not in PER_RUN}
+    facts["fds"] = sorted(facts["fds"].values())
+    for key in ("pid", *DRAWN):
+        del facts[key]
+    return facts
+
+
+def test_a_forked_worker_is_a_new_process_to_the_script_and_restarts_from_the_server(run_ftrun, workload,
+                                                                                     tmp_path):
+    # attempt 0: rank 1 exits with code 3 (a group restart); attempt 1: rank 0 dies of SIGUSR1 (the end)
+    runs, outs = {}, {}
+    for mode, flags in (("forked", []), ("new", ["--no-fork-server"])):
+        outs[mode], logs = tmp_path / mode, tmp_path / f"{mode}_logs"
+        outs[mode].mkdir()
+        result = run_ftrun(*flags, "--nproc-per-node", NPROC, "--max-restarts", 1, "--log-dir", logs,
+                           workload("worker_facts.py"), outs[mode], "exit,signal", timeout=TIMEOUT, cwd=tmp_path)
+        runs[mode] = read_run(result, logs)
+    forked, new = runs["forked"], runs["new"]
+    why = forked.explain() + "\n\n" + new.explain()
+    assert forked.returncode == new.returncode == 1, why
+    assert [e["forked"] for e in forked.of("worker_start")] == [True] * 2 * NPROC, why
+    assert [e["forked"] for e in new.of("worker_start")] == [False] * 2 * NPROC and not new.of("fork_server"), why
+    assert [e["state"] for e in forked.of("fork_server")] == ["ready"], why
+
+    # the same exit statuses, an exit code and a death by signal, each seen by the agent as it happened
+    def planted(run) -> list[tuple[int, int]]:
+        pids = {e["pid"]: e["attempt"] for e in run.of("worker_start")}
+        return sorted((pids[e["pid"]], e["rank"], e["exitcode"]) for e in run.of("worker_exit")
+                      if (pids[e["pid"]], e["rank"]) in ((0, 1), (1, 0)))
+    assert planted(forked) == planted(new) == [(0, 1, 3), (1, 0, -signal.SIGUSR1)], why
+
+    for attempt in (0, 1):
+        for rank in range(NPROC):
+            seen, expected = (comparable(facts_of(outs[mode], attempt, rank), outs[mode]) for mode in ("forked", "new"))
+            assert seen == expected, f"attempt {attempt} rank {rank}"
+    # what a new process draws at random, each forked worker drew for itself
+    for key in DRAWN:
+        values = [json.dumps(facts_of(outs["forked"], a, r)[key]) for a in (0, 1) for r in range(NPROC)]
+        assert len(set(values)) == len(values), key
+
+
+def start_holding(launcher_env: dict[str, str], script: str, tmp_path: Path, nproc: int) -> tuple[subprocess.Popen,
+                                                                                                 list[dict]]:
+    """Start ftrun over worker_facts.py whose first attempt holds; (ftrun, its events) once every worker held."""
+    logs, out = tmp_path / "logs", tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "ftrun", "--nproc-per-node", str(nproc), "--max-restarts", "1",
+                             "--log-dir", str(logs), script, str(out), "hold"],
+                            env=launcher_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    held = 0
+    for line in proc.stdout:  # each worker says when its facts are written
+        held += "facts attempt=0" in line
+        if held == nproc:
+            break
+    if held < nproc:
+        proc.kill()
+        raise AssertionError(f"ftrun ended before its workers held (exit {proc.wait()}): {proc.stderr.read()}")
+    (events_file,) = logs.glob("*/events.jsonl")
+    return proc, [json.loads(line) for line in events_file.read_text().splitlines()]
+
+
+def test_the_fork_server_killed_mid_run_leaves_workers_starting_as_new_processes(launcher_env, workload, tmp_path):
+    # attempt 0 holds; killing the server kills its children (as the agent's death kills a worker), so the
+    # group restarts, from new processes, and attempt 1 succeeds
+    logs, out = tmp_path / "logs", tmp_path / "out"
+    proc, events = start_holding(launcher_env, workload("worker_facts.py"), tmp_path, NPROC)
+    try:
+        (server,) = [e for e in events if e["event"] == "fork_server"]
+        os.kill(server["pid"], signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    run = read_run(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), logs)
+    why = run.explain()
+    assert run.returncode == 0, why
+    starts = [(e["attempt"], e["forked"]) for e in run.of("worker_start")]
+    assert starts == [(0, True)] * NPROC + [(1, False)] * NPROC, why
+    assert sorted(e["exitcode"] for e in run.of("worker_exit")) == [-signal.SIGKILL] * NPROC + [0] * NPROC, why
+    assert [e["state"] for e in run.of("fork_server")] == ["ready", "gone"], why
+    notices = [line for line in stderr.splitlines() if "new processes" in line]
+    assert len(notices) == 1 and re.fullmatch(r"ftrun: the fork server (stopped taking requests|did not answer a "
+                                              r"request): .+; workers start as new processes from now on",
+                                              notices[0]), why
+    assert "Traceback" not in stderr, why
+    assert all((out / f"facts_1_{rank}.json").is_file() for rank in range(NPROC)), why
+
+
+def test_ftrun_killed_with_sigkill_takes_the_fork_server_and_its_workers_along(launcher_env, workload, tmp_path):
+    proc, events = start_holding(launcher_env, workload("worker_facts.py"), tmp_path, 1)
+    pids = [e["pid"] for e in events if e["event"] in ("fork_server", "worker_start")]
+    processes = [psutil.Process(pid) for pid in pids]
+    assert len(processes) == 2 and [e["forked"] for e in events if e["event"] == "worker_start"] == [True]
+    proc.kill()
+    proc.communicate(timeout=30)
+    _, alive = psutil.wait_procs(processes, timeout=10)  # both die with their parents (PR_SET_PDEATHSIG)
+    assert alive == []
+
+
+@pytest.mark.fast
+def test_only_a_python_script_or_run_path_can_be_forked():
+    python = [sys.executable, "-u"]
+    assert can_serve([*python, "train.py", "--lr", "1"])
+    assert can_serve([*python, "-c", "import runpy", "/abs/train.py"])  # --run-path
+    assert not can_serve([*python, "-m", "pkg.train"])
+    assert not can_serve(["./train.sh", "--lr", "1"])  # --no-python
+    assert not can_serve(["/other/python", "-u", "train.py"])
+
+
+@pytest.mark.fast
+def test_a_script_imports_torch_itself_or_through_its_own_modules(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    files = {
+        "direct.py": "import os\nfrom torch import nn\n",
+        "api.py": "import ftrun.worker as ft\n",
+        "lazy.py": "def main():\n    import torch.distributed\n",
+        "via_module.py": "from model import Net\n",
+        "model.py": "import torch\nNet = None\n",
+        "via_package.py": "import pkg.sub\n",
+        "pkg/__init__.py": "",
+        "pkg/sub.py": "from . import inner\n",
+        "pkg/inner.py": "import torch.nn\n",
+        "plain.py": "import json, sys\nimport torchvision_like\n",
+        "broken.py": "import torch(\n",
+        "cycle_a.py": "import cycle_b\n",
+        "cycle_b.py": "import cycle_a\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    torch_scripts = {"direct.py", "api.py", "lazy.py", "via_module.py", "via_package.py", "model.py", "pkg/sub.py",
+                     "pkg/inner.py"}
+    for name in files:
+        if name.endswith(".py") and not name.endswith("__init__.py"):
+            assert script_imports_torch(name) == (name in torch_scripts), name
+    assert not script_imports_torch("missing.py")
+
+
+@pytest.mark.fast
+def test_fork_server_events_are_described():
+    assert describe({"event": "fork_server", "state": "ready", "reason": None, "seconds": 4.3}) == \
+        "fork server ready (imports took 4.3 s)"
+    assert describe({"event": "fork_server", "state": "gone", "reason": "stopped taking requests: EPIPE"}) == \
+        "fork server gone: stopped taking requests: EPIPE"
