@@ -144,6 +144,11 @@ def _uids(value: Any) -> bool:
     return isinstance(value, list) and all(type(v) is int for v in value) and len(set(value)) == len(value)
 
 
+def _unreachable(value: Any) -> bool:
+    return value is None or isinstance(value, dict) and all(
+        isinstance(k, str) and k.isdigit() and k.isascii() and _uids(v) for k, v in value.items())
+
+
 def _timings(value: Any) -> bool:
     return isinstance(value, dict) and all(name in value for name in RECOVERY_PHASES) \
         and all(isinstance(k, str) and _number(v) for k, v in value.items())
@@ -167,6 +172,7 @@ FROM_WORKER: dict[str, dict[str, Check]] = {
     FINISHED: {},
     RECOVERED: {"gen": _int, "step": _int, "timings": _timings, "plan_received": _number},
     SAVED: {"step": _int},
+    COLLECTIVE_FAILED: {"gen": _int, "step": _int, "phase": _text, "error": _text, "unreachable": _unreachable},
 }
 """Every message a worker sends its agent, with the fields the agent reads."""
 
@@ -219,6 +225,7 @@ MAIL: dict[str, dict[str, Check]] = {
     WORKER_MESSAGE: {"uid": _int, "msg": lambda msg: worker_message_problem(msg) is None},
     WORKER_EXITED: {"uid": _int, "code": _int},
     NODE_GONE: {"node": _int, "reason": _text, "since": _number},
+    NODE_STUCK: {"node": _int, "gen": _int, "reason": _text},
     RELAY: {"uid": _int, "data": _relayed},
     SIGNAL: {"uid": _int, "sig": _signal},
     START_WORKER: {"uid": _int, "local_rank": _int, "rank": _optional_int},

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +23,7 @@ VALID_MAIL = [
     {"t": protocol.WORKER_EXITED, "uid": 100000, "code": 0},
     {"t": protocol.WORKER_EXITED, "uid": 100000, "code": -9, "failure": FAILURE},
     {"t": protocol.NODE_GONE, "node": 1, "reason": "ssh ended", "since": 12.5},
+    {"t": protocol.NODE_STUCK, "node": 1, "gen": 2, "reason": "every rank has made no progress for 9 s"},
     {"t": protocol.RELAY, "uid": 100000, "data": PLAN_LINE + "\n" + protocol.encode(protocol.SAVE).decode()},
     {"t": protocol.SIGNAL, "uid": 100000, "sig": int(signal.SIGKILL)},
     {"t": protocol.START_WORKER, "uid": 100001, "local_rank": 1, "rank": 3},
@@ -73,11 +76,26 @@ def test_a_malformed_message_is_named_not_raised(message, why):
     ({"t": protocol.RECOVERED, "gen": 1, "step": 4, "plan_received": 3.0, "timings": {"abort": 0.1}}, "'timings'"),
     ({"t": protocol.PROGRESS, "gen": 0, "step": 1, "time": float("nan"), "step_time": 0.1}, "field 'time'"),
     ({"t": protocol.ENTERED}, "no field 'step'"),
+    ({"t": protocol.COLLECTIVE_FAILED, "gen": 1, "step": 4, "phase": "probe", "error": "reset",
+      "unreachable": {"0": [2], "2": [0], "3": []}}, None),
+    ({"t": protocol.COLLECTIVE_FAILED, "gen": 1, "step": 4, "phase": "step", "error": "x", "unreachable": None}, None),
+    ({"t": protocol.COLLECTIVE_FAILED, "gen": 1, "step": 4, "phase": "probe", "error": "x",
+      "unreachable": {"zero": [1]}}, "field 'unreachable'"),
     ({"t": protocol.STOP, "reason": "x"}, "unknown kind 'stop'"),  # a mailbox kind is no worker's
 ])
 def test_worker_messages_are_checked_too(message, why):
     problem = worker_message_problem(message)
     assert problem is None if why is None else why in problem
+
+
+def test_every_kind_the_code_sends_has_a_shape_its_reader_accepts():
+    # a kind missing from the tables would be dropped as malformed where it arrives, silently
+    source = "\n".join(path.read_text() for path in Path(protocol.__file__).parent.rglob("*.py"))
+    sent_by_workers = set(re.findall(r"channel\.send\(protocol\.([A-Z_]+)", source))
+    posted = set(re.findall(r'"t": protocol\.([A-Z_]+)', source))
+    assert sent_by_workers and posted
+    assert {getattr(protocol, name) for name in sent_by_workers} <= set(protocol.FROM_WORKER)
+    assert {getattr(protocol, name) for name in posted} <= set(protocol.MAIL)
 
 
 def test_a_plan_is_read_back_from_its_own_fields_only():
