@@ -9,7 +9,9 @@ import os
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,8 @@ from ftrun.worker import backends, transfer
 from ftrun.worker.channel import AgentChannel
 from ftrun.worker.injected import WorkerDrills
 from ftrun.worker.planes import Planes, Superseded
+from ftrun.worker.redundancy import Rebuild, Redundancy, is_sharded
+from ftrun.worker.shards import Choice, Holding, choose
 from ftrun.worker.steps import CollectiveFailed, StepCollectives
 from ftrun.worker.state import Stateful, best_rescue, load_into, save_rescue, snapshot
 
@@ -51,6 +55,8 @@ class Session:
         self.recovery_timeout = float(os.environ.get("FTRUN_RECOVERY_DEADLINE", DEFAULT_RECOVERY_DEADLINE))
         """Seconds this worker waits for a recovery to finish (the agent's --recovery-timeout + --join-timeout)."""
         self.protected: dict[str, Stateful] = {}
+        self.redundancy: Redundancy | None = None  # sharded (FSDP2) state: its copies in peers' memory
+        self._swallowed: BaseException | None = None  # the last collective error guard() turned into a failed step
         self.committed_step = -1
         self.gen = 0
         self._ddps: list[tuple[DistributedDataParallel, dict[str, Any]]] = []
@@ -109,9 +115,39 @@ class Session:
         self._ddps.append((model, kwargs))
         return model
 
-    def protect(self, **objects: Stateful) -> None:
-        """Register the state a peer sends to a rank that is behind: models, optimizers, schedulers..."""
+    def protect(self, rebuild: Rebuild | None = None, refresh_every: int = 1, **objects: Stateful) -> None:
+        """Register the state a peer sends to a rank that is behind: models, optimizers, schedulers...
+
+        Sharded state (an FSDP2 ``fully_shard`` model and its optimizer: DTensors) is kept redundant
+        instead: each rank's shards are copied into a peer's host memory after every ``refresh_every``-th
+        committed step, and recovered from there. It needs ``rebuild``: a function that builds the same
+        objects anew over the current world (``fully_shard`` over the default group, a new optimizer)
+        and returns them by the names given here; after a recovery :attr:`protected` holds them.
+        """
         self.protected.update(objects)
+        if not any(is_sharded(t) for obj in objects.values() for _, t in transfer.leaves(obj.state_dict())):
+            return
+        if rebuild is None:
+            raise ValueError("ftrun: protect() of sharded (FSDP2) state needs rebuild=, a function that builds "
+                             "the same objects over the current world (README, 'Sharded models')")
+        if self.managed:
+            self.redundancy = Redundancy(self.protected, rebuild, refresh_every, self.collectives.issue)
+
+    @contextmanager
+    def guard(self) -> Iterator[None]:
+        """Run a step's forward and backward: a collective failed by a peer's loss ends the block quietly.
+
+        Sharded models (FSDP2) run their collectives inside ``model(x)`` and ``backward()``, outside
+        ftrun's reach: under ftrun such a failure marks the step failed, :meth:`commit` then returns
+        None and the step is run again after recovery. Elsewhere (plain torchrun) errors propagate.
+        """
+        try:
+            yield
+        except (RuntimeError, CollectiveFailed, Superseded) as exc:
+            if not self.managed or not (isinstance(exc, (CollectiveFailed, Superseded)) or _from_collective(exc)):
+                raise
+            self._swallowed = exc  # the cause shown if no recovery follows
+            self.collectives.fail()
 
     def steps(self, total: int) -> Iterator[int]:
         """Yield step numbers up to ``total``; after a fault, the first uncommitted step comes again."""
@@ -126,8 +162,11 @@ class Session:
             self._recover()
         else:
             self._restore_rescue()
+            self._refresh()
         step = self.committed_step + 1
         while step < total:
+            if self.redundancy is not None:
+                self.redundancy.wait()  # the last committed step is in a peer's memory before the next starts
             if self._needs_recovery():
                 self._recover()
                 step = self.committed_step + 1
@@ -141,6 +180,8 @@ class Session:
                 step += 1
             elif not self._needs_recovery():
                 raise RuntimeError("ftrun: call commit(optimizer) once in every step of steps()")
+        if self.redundancy is not None:
+            self.redundancy.wait()  # the copy of the last step: no thread left in a collective at exit
         self.channel.send(protocol.FINISHED, step=self.committed_step)
 
     def commit(self, optimizer: torch.optim.Optimizer, loss: torch.Tensor | None = None) -> float | None:
@@ -157,6 +198,7 @@ class Session:
             optimizer.step()
             self.committed_step = self._step
         optimizer.zero_grad(set_to_none=True)
+        self._refresh()
         self._rebuild_buckets()
         if self.planes is not None and self.planes.stale:
             self._release_stale()
@@ -164,6 +206,11 @@ class Session:
             self.channel.send(protocol.PROGRESS, gen=self.gen, step=self._step, time=time.time(),
                               step_time=time.monotonic() - self._step_started)
         return total
+
+    def _refresh(self) -> None:
+        """Start copying the sharded state of the committed step to the buddy, if this step is due."""
+        if self.redundancy is not None and self.redundancy.due(self.committed_step):
+            self.redundancy.refresh(self.committed_step, self.planes.control)
 
     def _loss_group(self, loss: torch.Tensor) -> dist.ProcessGroup:
         """Where a loss no gradient bucket carried is summed: the data plane if it takes its device."""
@@ -217,6 +264,9 @@ class Session:
         On a thread of its own: a state transfer may hold the state lock, and the channel thread must
         stay free to deliver plans meanwhile.
         """
+        if self.redundancy is not None:  # one shard is no state to restart from: nothing is written
+            self.channel.send(protocol.SAVED, step=-1)
+            return
         with self._state_lock:
             step = self.committed_step
             save_rescue(self.protected, step, self._rescue_dir / f"{self.uid}.pt")
@@ -245,6 +295,7 @@ class Session:
     def _recover(self) -> None:
         """Join the newest generation: form its planes, agree on the committed step, fetch state if behind."""
         deadline = None if self.spare else time.monotonic() + self.recovery_timeout
+        was_spare = self.spare
         while True:
             plan, received = self._next_plan(deadline)
             deadline = deadline or time.monotonic() + self.recovery_timeout
@@ -253,9 +304,15 @@ class Session:
                 t0 = time.time()
                 self.planes.form(plan, superseded)
                 t1 = time.time()
-                best, source, behind = self._agree(deadline)
-                t2 = time.time()
-                self._transfer(best, source, behind)
+                if self.redundancy is not None:
+                    choice = self._agree_sharded(deadline)
+                    t2 = time.time()
+                    self._restore_sharded(choice)
+                    behind = [self.rank] if was_spare else []
+                else:
+                    best, source, behind = self._agree(deadline)
+                    t2 = time.time()
+                    self._transfer(best, source, behind)
                 self._rebuild_ddp()  # after the transfer: every rank now holds the same state
                 t3 = time.time()
             except (Superseded, CollectiveFailed, dist.DistError) as exc:
@@ -288,7 +345,8 @@ class Session:
             while True:
                 timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
                 if not self._cond.wait_for(lambda: self._latest.gen > self._considered, timeout=timeout):
-                    raise RuntimeError(f"ftrun: no new generation within {self.recovery_timeout:.0f} s of a fault")
+                    raise RuntimeError(f"ftrun: no new generation within {self.recovery_timeout:.0f} s of a fault") \
+                        from self._swallowed
                 plan = self._latest
                 self._considered = plan.gen
                 if plan.rank_of(self.uid) is not None:
@@ -308,6 +366,31 @@ class Session:
         if best < -1:
             raise RuntimeError("ftrun: no member of the new generation holds a committed state to resume from")
         return best, values.index(best), [r for r, v in enumerate(values) if v < best]
+
+    def _agree_sharded(self, deadline: float) -> Choice:
+        """All-gather what each rank holds of the sharded state; every rank picks the same step and sources."""
+        self.redundancy.wait(max(0.0, deadline - time.monotonic()))  # an aborted refresh ends at once
+        mine = torch.tensor(self.redundancy.holding(self.committed_step, self.spare).to_list(), dtype=torch.int64)
+        held = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        control = self.planes.control
+        self.collectives.wait(self.collectives.issue(lambda: control.allgather([held], [mine])), deadline)
+        choice = choose([Holding.from_list(t.tolist()) for t in held])
+        if choice is None:
+            sys.exit("ftrun: a rank and its buddy were lost together: their shard is in no memory; no in-place "
+                     "recovery (falling back to a group restart)")
+        return choice
+
+    def _restore_sharded(self, choice: Choice) -> None:
+        """Move the chosen copies into the new shards, rebuild the objects over this world and load them;
+        then copy the result to the buddies at once, so the new generation is redundant from its start."""
+        with self._state_lock:
+            self.committed_step = INVALID_STEP
+            self.redundancy.restore(choice, self.planes.control)
+            self.committed_step = choice.step
+        self.redundancy.refresh(choice.step, self.planes.control)
+        self.redundancy.wait()
+        if not self.redundancy.copied(choice.step):
+            raise CollectiveFailed("the copy to the buddies after recovery broke off")
 
     def _transfer(self, best: int, source: int, behind: list[int]) -> None:
         """The source sends its protected state to the ranks behind it (and only to them), device to device.
@@ -353,6 +436,15 @@ class Session:
         elif dist.is_initialized():
             dist.destroy_process_group()
 
+
+def _from_collective(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised inside torch.distributed's collective calls (Gloo raises a plain
+    RuntimeError when a peer's connection closes), rather than by the user's code or a kernel."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return isinstance(exc, dist.DistError) or bool(frames) and frames[-1].filename.endswith(_C10D)
+
+
+_C10D = os.path.join("torch", "distributed", "distributed_c10d.py")
 
 _session: Session | None = None
 
