@@ -31,6 +31,7 @@ ENTERED = "entered"  # the first collective of a step started: {step}
 FINISHED = "finished"  # the worker left the step loop: no more progress is to be expected
 RECOVERED = "recovered"  # the worker finished recovery for a generation: {gen, step, timings}
 SAVED = "saved"  # the worker wrote its state for a group restart: {step}
+UNRECOVERABLE = "unrecoverable"  # the new generation cannot recover in place (a shard in no memory): {reason}
 # agent -> worker
 PLAN = "plan"  # a new generation: Plan fields
 SAVE = "save"  # recovery failed: write your state to FTRUN_RUN_DIR/rescue before the group restart

@@ -129,6 +129,8 @@ class Leader:
             self._place_joiners()
         elif kind == protocol.RECOVERED and self.recovery and message["gen"] == self.recovery.gen:
             self.recovery.reports[uid] = message
+        elif kind == protocol.UNRECOVERABLE and self.recovery is not None and message["gen"] == self.recovery.gen:
+            self._give_up(message["reason"])
         elif kind == protocol.SAVED and self.rescue is not None:
             self.rescue.waiting.discard(uid)
             self.rescue.saved[uid] = message["step"]

@@ -305,7 +305,7 @@ class Session:
                 self.planes.form(plan, superseded)
                 t1 = time.time()
                 if self.redundancy is not None:
-                    choice = self._agree_sharded(deadline)
+                    choice = self._agree_sharded(plan.gen, deadline)
                     t2 = time.time()
                     self._restore_sharded(choice)
                     behind = [self.rank] if was_spare else []
@@ -367,7 +367,7 @@ class Session:
             raise RuntimeError("ftrun: no member of the new generation holds a committed state to resume from")
         return best, values.index(best), [r for r, v in enumerate(values) if v < best]
 
-    def _agree_sharded(self, deadline: float) -> Choice:
+    def _agree_sharded(self, gen: int, deadline: float) -> Choice:
         """All-gather what each rank holds of the sharded state; every rank picks the same step and sources."""
         self.redundancy.wait(max(0.0, deadline - time.monotonic()))  # an aborted refresh ends at once
         mine = torch.tensor(self.redundancy.holding(self.committed_step, self.spare).to_list(), dtype=torch.int64)
@@ -375,9 +375,12 @@ class Session:
         control = self.planes.control
         self.collectives.wait(self.collectives.issue(lambda: control.allgather([held], [mine])), deadline)
         choice = choose([Holding.from_list(t.tolist()) for t in held])
-        if choice is None:
-            sys.exit("ftrun: a rank and its buddy were lost together: their shard is in no memory; no in-place "
-                     "recovery (falling back to a group restart)")
+        if choice is None:  # every rank sees it: the agent falls back to a group restart and stops this worker
+            reason = "a rank and its buddy were lost together: a shard of the sharded state is in no memory"
+            self.channel.send(protocol.UNRECOVERABLE, gen=gen, reason=reason)
+            with self._cond:
+                self._cond.wait_for(lambda: time.monotonic() >= deadline, timeout=max(0.0, deadline - time.monotonic()))
+            sys.exit(f"ftrun: {reason}; no group restart came within the recovery deadline")
         return choice
 
     def _restore_sharded(self, choice: Choice) -> None:
