@@ -30,7 +30,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The example's flags: train_ddp.py's, AdamW's learning rate, and how often state is copied."""
     parser = train_ddp.make_parser("Train a small MLP sharded with FSDP2 on synthetic data.", lr=1e-3)
     parser.add_argument("--refresh-every", type=int, default=1,
-                        help="copy each rank's shard into its buddy's memory every K committed steps")
+                        help="copy each rank's shard into its buddy's memory every K committed steps (0: never)")
     return parser.parse_known_args(argv)[0]
 
 

@@ -114,14 +114,15 @@ class Redundancy:
 
     def __init__(self, objects: dict[str, Stateful], rebuild: Rebuild, every: int,
                  issue: Callable[[Callable[[], dist.Work]], dist.Work]) -> None:
-        if every < 1:
-            raise ValueError(f"ftrun: refresh_every must be at least 1, not {every}")
+        if every < 0:
+            raise ValueError(f"ftrun: refresh_every must be 0 (no copies) or more, not {every}")
         self.objects = objects
         self.rebuild = rebuild
         self.every = every
         self._issue = issue
         _, self.layout, _ = local_state(objects, dist.get_world_size())
         self.index, self.world = dist.get_rank(), dist.get_world_size()
+        self.layout_gen = 0  # the generation whose re-sharding made the current layout
         self.own: list[Slot] = []
         self.buddy: list[Slot] = []
         self._thread: threading.Thread | None = None
@@ -133,8 +134,9 @@ class Redundancy:
 
     # ------------------------------------------------------------------ refresh
     def due(self, step: int) -> bool:
-        """Whether committed ``step`` is refreshed (every ``every``-th step; step -1 is the initial state)."""
-        return step < 0 or (step + 1) % self.every == 0
+        """Whether committed ``step`` is refreshed (every ``every``-th step; step -1 is the initial state;
+        never with ``every`` 0: then a lost shard is in no memory, and a fault restarts the group)."""
+        return self.every > 0 and (step < 0 or (step + 1) % self.every == 0)
 
     def refresh(self, step: int, control: dist.ProcessGroup) -> None:
         """Snapshot the live state as of ``step`` and start sending it to the buddy (the previous refresh
@@ -196,11 +198,11 @@ class Redundancy:
     def holding(self, committed: int, joiner: bool) -> Holding:
         """What this rank holds, for the agreement (a joiner holds nothing)."""
         if joiner:
-            return Holding(INVALID, -1, 0, (INVALID, INVALID), (INVALID, INVALID))
+            return Holding(INVALID, -1, 0, (INVALID, INVALID), (INVALID, INVALID), -1)
         steps = lambda slots: tuple(s.step for s in slots) if slots else (INVALID, INVALID)  # noqa: E731
-        return Holding(committed, self.index, self.world, steps(self.own), steps(self.buddy))
+        return Holding(committed, self.index, self.world, steps(self.own), steps(self.buddy), self.layout_gen)
 
-    def restore(self, choice: Choice, control: dist.ProcessGroup) -> None:
+    def restore(self, choice: Choice, control: dist.ProcessGroup, gen: int) -> None:
         """Move the chosen copies to the new shards over ``control``, rebuild the objects (in the protected
         mapping, by name) and load them.
 
@@ -225,7 +227,7 @@ class Redundancy:
         del sources
         self.objects.update(self.rebuild())
         self._load(layout, skeleton, received, rank, world)
-        self.layout, self.index, self.world = layout, rank, world
+        self.layout, self.index, self.world, self.layout_gen = layout, rank, world, gen
         self.own, self.buddy = [], []
 
     def _sources(self, choice: Choice, rank: int) -> dict[int, torch.Tensor]:

@@ -120,7 +120,7 @@ class Session:
 
         Sharded state (an FSDP2 ``fully_shard`` model and its optimizer: DTensors) is kept redundant
         instead: each rank's shards are copied into a peer's host memory after every ``refresh_every``-th
-        committed step, and recovered from there. It needs ``rebuild``: a function that builds the same
+        committed step (0: never), and recovered from there. It needs ``rebuild``: a function that builds the same
         objects anew over the current world (``fully_shard`` over the default group, a new optimizer)
         and returns them by the names given here; after a recovery :attr:`protected` holds them.
         """
@@ -307,7 +307,7 @@ class Session:
                 if self.redundancy is not None:
                     choice = self._agree_sharded(plan.gen, deadline)
                     t2 = time.time()
-                    self._restore_sharded(choice)
+                    self._restore_sharded(choice, plan.gen)
                     behind = [self.rank] if was_spare else []
                 else:
                     best, source, behind = self._agree(deadline)
@@ -383,13 +383,15 @@ class Session:
             sys.exit(f"ftrun: {reason}; no group restart came within the recovery deadline")
         return choice
 
-    def _restore_sharded(self, choice: Choice) -> None:
+    def _restore_sharded(self, choice: Choice, gen: int) -> None:
         """Move the chosen copies into the new shards, rebuild the objects over this world and load them;
         then copy the result to the buddies at once, so the new generation is redundant from its start."""
         with self._state_lock:
             self.committed_step = INVALID_STEP
-            self.redundancy.restore(choice, self.planes.control)
+            self.redundancy.restore(choice, self.planes.control, gen)
             self.committed_step = choice.step
+        if not self.redundancy.every:
+            return  # no copies are kept (refresh_every 0)
         self.redundancy.refresh(choice.step, self.planes.control)
         self.redundancy.wait()
         if not self.redundancy.copied(choice.step):

@@ -96,9 +96,9 @@ class Layout:
 class Holding:
     """What one rank of a new generation holds, as it tells its peers at recovery.
 
-    ``index``/``world``: its shard in the generation the copies were made in (-1/0 for a joiner);
-    ``committed``: the step of its live state; ``own``: the steps of its two snapshots; ``buddy``: the
-    steps of its two copies of shard ``index - 1``'s state.
+    ``index``/``world``: its shard in the layout its state and copies are in (-1/0 for a joiner), which
+    the generation ``layout_gen`` made; ``committed``: the step of its live state; ``own``: the steps of its
+    two snapshots; ``buddy``: the steps of its two copies of shard ``index - 1``'s state.
     """
 
     committed: int
@@ -106,15 +106,16 @@ class Holding:
     world: int
     own: tuple[int, int]
     buddy: tuple[int, int]
+    layout_gen: int = 0
 
     def to_list(self) -> list[int]:
-        """Seven integers, for an all-gather."""
-        return [self.committed, self.index, self.world, *self.own, *self.buddy]
+        """Eight integers, for an all-gather."""
+        return [self.committed, self.index, self.world, *self.own, *self.buddy, self.layout_gen]
 
     @staticmethod
     def from_list(values: list[int]) -> Holding:
         """The inverse of :meth:`to_list`."""
-        return Holding(values[0], values[1], values[2], (values[3], values[4]), (values[5], values[6]))
+        return Holding(values[0], values[1], values[2], (values[3], values[4]), (values[5], values[6]), values[7])
 
 
 @dataclass(frozen=True)
@@ -149,10 +150,11 @@ def choose(holdings: list[Holding]) -> Choice | None:
 
     Each shard comes from its owner if it survived (live state first: no copy to make), else from its
     buddy's copy. None when some shard has no copy at any common step: its owner and its buddy were
-    lost together (or nothing was ever copied).
+    lost together (or nothing was ever copied); or when the survivors' states are in different layouts
+    (a fault cut a recovery's re-sharding short on some ranks only).
     """
     survivors = [(rank, h) for rank, h in enumerate(holdings) if h.index >= 0]
-    if not survivors:
+    if not survivors or len({(h.layout_gen, h.world) for _, h in survivors}) > 1:
         return None
     world = survivors[0][1].world
     by_index = {h.index: (rank, h) for rank, h in survivors}

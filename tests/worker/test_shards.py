@@ -31,7 +31,7 @@ def survivor(index: int, committed: int, own=(INVALID, INVALID), buddy=(INVALID,
     return Holding(committed, index, world, own, buddy)
 
 
-JOINER = Holding(INVALID, -1, 0, (INVALID, INVALID), (INVALID, INVALID))
+JOINER = Holding(INVALID, -1, 0, (INVALID, INVALID), (INVALID, INVALID), -1)
 
 
 def test_every_shard_live_needs_no_copy():
@@ -70,6 +70,13 @@ def test_copies_every_k_steps_return_to_the_last_refresh():
 def test_a_rank_lost_with_its_buddy_cannot_be_recovered_from_memory():
     assert choose([survivor(0, 7, (6, 7), (6, 7)), survivor(3, 7, (6, 7), (6, 7))]) is None  # shards 1 and 2
     assert choose([JOINER]) is None
+
+
+def test_survivors_whose_states_are_in_different_layouts_are_not_mixed():
+    # a fault cut the last re-sharding short: rank 0 loaded generation 3's layout, the others did not
+    held = [Holding(7, 0, 3, (INVALID, INVALID), (INVALID, INVALID), 3), survivor(1, 7, (6, 7), (6, 7)),
+            survivor(2, 7, (6, 7), (6, 7)), survivor(3, 7, (6, 7), (6, 7))]
+    assert choose(held) is None
 
 
 def flat_shards(layout: Layout, world: int, tensors: dict) -> list[torch.Tensor]:
