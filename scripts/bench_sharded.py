@@ -20,7 +20,6 @@ Not measured here (yet): torchrun with a torch.distributed.checkpoint every 20 s
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import signal
@@ -30,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench_recovery import recovery_event
 from bench_runs import command_line, ended, lines, machine, start, stop, worker_with_rank
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,19 +71,6 @@ def step_times(refresh_every: int, args: argparse.Namespace) -> tuple[list[float
         raise ended(run)
     finally:
         stop(run)
-
-
-def recovery_event(run_dir: Path, timeout: float = 10.0) -> dict[str, Any]:
-    """ftrun's "recovery" event, waiting for it to be written."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        path = run_dir / "events.jsonl"
-        events = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
-        found = [e for e in events if e["event"] == "recovery"]
-        if found:
-            return found[0]
-        time.sleep(0.05)
-    raise RuntimeError(f"no recovery event in {run_dir} within {timeout:.0f} s")
 
 
 def drill(spare: bool, args: argparse.Namespace) -> dict[str, Any]:

@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 from ftrun.worker import redundancy
-from ftrun.worker.shards import BUDDY, INVALID, LIVE, OWN, Choice, Holding, Layout, Leaf, Source, choose, chunk_rows, moves
+from ftrun.worker.shards import (BUDDY, INVALID, LIVE, OWN, Choice, Holding, Layout, Leaf, Source, choose, chunk_rows,
+                                 moves)
 
 pytestmark = pytest.mark.fast
 
