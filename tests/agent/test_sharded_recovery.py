@@ -26,8 +26,10 @@ def test_sigkill_of_a_middle_rank_reshards_over_the_3_survivors(launch, fsdp_bas
     assert "ftrun: sharded state kept redundant in host memory every 1 step(s)" in run.stdout + run.stderr
 
 
-def test_sigkill_of_rank_0_takes_its_shard_from_rank_1s_memory(launch, fsdp_baseline):
-    run = launch(faults="kill:5:0", example=FSDP)
+def test_sigkill_of_rank_0_inside_the_reduce_scatters_takes_its_shard_from_rank_1s_memory(launch, fsdp_baseline):
+    # rank 0 dies in backward, after the last layers' reduce-scatters started and before the first's:
+    # the survivors' collectives fail inside backward(), ft.guard() turns that into a discarded step
+    run = launch(faults="backward:5:0", example=FSDP)
     check_in_place(run, fsdp_baseline, lost={0: -9}, fault_step=5)
     assert any("[default1]: commit uid=1 rank=0 world=3 step=5 " in line for line in run.stdout.splitlines())
 

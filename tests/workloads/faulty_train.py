@@ -3,9 +3,10 @@
 FAULTS (environment) is a comma list of KIND:STEP:UID, where UID is the worker's FTRUN_UID (its initial
 rank): kill (SIGKILL itself before the step), exception (raise in the step), allreduce (SIGKILL itself
 inside the gradient all-reduce: after the first bucket's all-reduce has started on every rank),
-recovery (SIGKILL itself while re-forming the group after the first fault), refresh (SIGKILL itself in
-the copy of the state of committed step STEP to its buddy: sharded state only). Faults are planted in the
-first attempt only, so a group restart runs clean. EXAMPLE (environment) names the example trained:
+recovery (SIGKILL itself while re-forming the group after the first fault), backward (SIGKILL itself in
+backward before the first layer's gradients: with FSDP, between the layers' reduce-scatters), refresh
+(SIGKILL itself in the copy of the state of committed step STEP to its buddy: sharded state only).
+Faults are planted in the first attempt only, so a group restart runs clean. EXAMPLE (environment) names the example trained:
 train_ddp (the default) or train_fsdp.
 Every rank prints `commit uid=<uid> step=<n> loss=<float>` for each committed step.
 """
@@ -53,6 +54,8 @@ def plant(kind: str, step: int, uid: int, training: train_ddp.Training, current:
         original = planes.Planes.form
         planes.Planes.form = lambda self, plan, superseded: die() if plan.gen >= 1 else original(
             self, plan, superseded)
+    if kind == "backward":
+        training.model[0].register_full_backward_pre_hook(lambda *_: die())
     if kind == "refresh":
         original_exchange = redundancy.Redundancy._exchange
         redundancy.Redundancy._exchange = lambda self, at, *rest: die() if at == step else original_exchange(
