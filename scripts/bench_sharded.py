@@ -9,12 +9,12 @@ Every run is ftrun with 4 CPU workers (``--standalone --nproc-per-node 4``) over
   (``--refresh-every 0``: no redundancy, the reference). Overhead = median / the reference's median - 1.
 * Extra host memory per rank: the bytes rank 0 reports holding for redundancy (two snapshots of its shard
   and two copies of its buddy's), next to the size of one shard of model + AdamW state.
-* Recovery latency (``--drills`` runs each): the worker with RANK=1 is sent SIGKILL once step ``--kill-at``
-  is committed, with a spare (``--spares 1``: the world stays 4) and without (a shrink to 3). Reported:
-  ftrun's own latency (its "recovery" event: from the fault to the first step committed after it) and
-  this process's (from the kill to the arrival of the first step line after it), and steps replayed.
-
-Not measured here (yet): torchrun with a torch.distributed.checkpoint every 20 steps on the same model.
+* Recovery (``--drills`` runs each, over scripts/bench_workloads/train_fsdp_ckpt.py: the same training):
+  the worker with RANK=1 is sent SIGKILL once step ``--kill-at`` is committed, under ftrun with a spare
+  (``--spares 1``: the world stays 4) and without (a shrink to 3), and under torchrun (``--max-restarts 3``)
+  with a ``torch.distributed.checkpoint`` of every rank's shards every ``--ckpt-every`` steps, from which the
+  restarted group resumes. Reported: from the kill to the first step committed after it (the worker's
+  ``t=``), steps computed again, and ftrun's own latency (its "recovery" event: fault seen to first step).
 """
 
 from __future__ import annotations
@@ -25,16 +25,20 @@ import re
 import signal
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from bench_recovery import recovery_event
+from bench_recovery import TRAIN_LINE, recovery_event
 from bench_runs import command_line, ended, lines, machine, start, stop, worker_with_rank
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_fsdp.py"
+TRAIN = ROOT / "scripts" / "bench_workloads" / "train_fsdp_ckpt.py"
 FTRUN = [sys.executable, "-m", "ftrun", "--standalone", "--nproc-per-node", "4"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+            "--max-restarts", "3"]
 STEP = re.compile(r"^(?:\[\w+\]: )?step=(\d+) loss=")
 EXTRA = re.compile(r"every \d+ step\(s\): (\d+) extra bytes on rank 0")
 TARGET_OVERHEAD_EVERY_10 = 0.05
@@ -46,7 +50,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=60, help="Steps per step-time run (60).")
     parser.add_argument("--runs", type=int, default=2, help="Step-time runs per configuration (2).")
     parser.add_argument("--drills", type=int, default=2, help="Recovery drills per kind (2).")
-    parser.add_argument("--kill-at", type=int, default=10, help="Kill RANK 1 once this step is committed (10).")
+    parser.add_argument("--kill-at", type=int, default=30, help="Kill RANK 1 once this step is committed (30).")
+    parser.add_argument("--ckpt-every", type=int, default=20, help="torchrun's checkpoint interval in steps (20).")
     parser.add_argument("--width", type=int, default=1024, help="The MLP's width (1024: 4 layers, 4.2 M params).")
     parser.add_argument("--timeout", type=float, default=300.0, help="Seconds one run may take (300).")
     return parser.parse_args()
@@ -73,31 +78,43 @@ def step_times(refresh_every: int, args: argparse.Namespace) -> tuple[list[float
         stop(run)
 
 
-def drill(spare: bool, args: argparse.Namespace) -> dict[str, Any]:
-    """Kill RANK 1 after step --kill-at; the latencies of the recovery and the steps it replayed."""
-    run = start([*FTRUN, *(["--spares", "1"] if spare else []), str(EXAMPLE), "--steps", "100000",
-                 "--width", str(args.width)])
+DRILLS = {"ftrun, a spare (world 4 -> 4)": [*FTRUN, "--spares", "1"], "ftrun, shrink (world 4 -> 3)": FTRUN,
+          "torchrun, DCP checkpoint, restart": TORCHRUN}
+
+
+def drill(launcher: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """Kill RANK 1 after step --kill-at; the time to the next committed step and the steps computed again."""
+    with tempfile.TemporaryDirectory(prefix="bench_sharded_") as ckpt_dir:
+        run = start([*launcher, str(TRAIN), "--steps", "100000", "--width", str(args.width),
+                     "--ckpt-every", str(args.ckpt_every), "--ckpt-dir", ckpt_dir])
+        try:
+            return follow(run, launcher is TORCHRUN, args)
+        finally:
+            stop(run)
+
+
+def follow(run: Any, restarts: bool, args: argparse.Namespace) -> dict[str, Any]:
+    """Read a drill's step lines: kill at the target step, then time the recovery."""
     killed_at, last_before, run_dir = None, -1, None
-    try:
-        for stamp, line in lines(run, args.timeout):
-            match = STEP.search(line)
-            if not match:
-                continue
-            step = int(match[1])
-            if killed_at is None:
-                last_before = step
-                if step >= args.kill_at:
-                    worker = worker_with_rank(run.proc.pid, 1, EXAMPLE.name)
-                    run_dir = Path(worker.environ()["FTRUN_RUN_DIR"])
-                    killed_at = time.perf_counter()
-                    os.kill(worker.pid, signal.SIGKILL)
-                continue
-            event = recovery_event(run_dir)
-            return {"latency": event["latency"], "seen": stamp - killed_at, "steps_lost": event["steps_lost"],
-                    "world": (event["world_before"], event["world_after"]), "resumed": step, "last": last_before}
-        raise ended(run)
-    finally:
-        stop(run)
+    for _, line in lines(run, args.timeout):
+        match = TRAIN_LINE.search(line)
+        if not match:
+            continue
+        step, stamp, attempt = int(match[1]), float(match[2]), int(match[4])
+        if killed_at is None:
+            last_before = step
+            if step >= args.kill_at:
+                worker = worker_with_rank(run.proc.pid, 1, TRAIN.name)
+                run_dir = worker.environ().get("FTRUN_RUN_DIR")
+                killed_at = time.time()
+                os.kill(worker.pid, signal.SIGKILL)
+            continue
+        if restarts and attempt == 0:
+            continue  # a line of the failing attempt
+        event = recovery_event(Path(run_dir)) if run_dir else None
+        return {"latency": stamp - killed_at, "again": max(0, last_before - step + 1),
+                "own": event["latency"] if event else None}
+    raise ended(run)
 
 
 def main() -> None:
@@ -123,13 +140,15 @@ def main() -> None:
     if extra is not None:
         print(f"\nextra host memory on rank 0: {extra / 2**20:.1f} MiB = 4 x its shard of model + AdamW state "
               f"({extra / 4 / 2**20:.1f} MiB): 2 snapshots of its own, 2 copies of its buddy's")
-    print("\nrecovery from SIGKILL of RANK 1 (ftrun's latency: fault to first step committed after it):")
-    for name, spare in (("with a spare (world 4 -> 4)", True), ("shrink (world 4 -> 3)", False)):
-        results = [drill(spare, args) for _ in range(args.drills)]
-        latency = statistics.median(r["latency"] for r in results)
-        seen = statistics.median(r["seen"] for r in results)
-        lost = [r["steps_lost"] for r in results]
-        print(f"  {name:28s} ftrun {latency:6.2f} s   kill -> next step line {seen:6.2f} s   steps replayed {lost}")
+    print(f"\nrecovery from SIGKILL of RANK 1 after step {args.kill_at} (kill -> next committed step, median):")
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name in DRILLS}
+    for _ in range(args.drills):
+        for name, launcher in DRILLS.items():
+            results[name].append(drill(launcher, args))
+    for name, drills in results.items():
+        own = [r["own"] for r in drills if r["own"] is not None]
+        print(f"  {name:36s} {statistics.median(r['latency'] for r in drills):7.2f} s   steps computed again "
+              f"{[r['again'] for r in drills]}" + (f"   ftrun's event {statistics.median(own):.2f} s" if own else ""))
 
 
 if __name__ == "__main__":
