@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -23,7 +22,6 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
 
 import attempt_store  # noqa: E402, F401  (keys per restart attempt: torchrun 2.14.1 reuses its store)
-import ftrun  # noqa: E402
 import train_ckpt  # noqa: E402
 import train_fsdp  # noqa: E402
 
@@ -52,25 +50,7 @@ def load(directory: Path, training: train_fsdp.Training) -> int:
 
 
 def main() -> None:
-    own = train_ckpt.parse_args()
-    args = train_fsdp.parse_args()
-    ft = ftrun.init()
-    training = train_fsdp.build(args, ft)
-    checkpoints = own.ckpt_every > 0 and "FTRUN_UID" not in os.environ
-    directory = Path(own.ckpt_dir)
-    resumed = load(directory, training) if checkpoints else -1
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    for step in ft.steps(args.steps):
-        if step <= resumed:
-            continue
-        loss = train_fsdp.train_step(ft, training, step)
-        if loss is None:
-            continue
-        if ft.rank == 0:
-            print(f"step={step} loss={loss:.12g} t={time.time():.6f} world={ft.world_size} attempt={attempt}",
-                  flush=True)
-        if checkpoints and (step + 1) % own.ckpt_every == 0:
-            save(directory, training, step)
+    train_ckpt.run(train_fsdp, save, load)
 
 
 if __name__ == "__main__":
