@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,17 +22,22 @@ import torch.nn.functional as F
 import ftrun
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The example's flags."""
-    parser = argparse.ArgumentParser(description="Train a small MLP with DDP on synthetic data.")
+def make_parser(description: str, lr: float) -> argparse.ArgumentParser:
+    """The flags both examples share (the model, the data, the run)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--lr", type=float, default=1.0)
+    parser.add_argument("--lr", type=float, default=lr)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--global-batch", type=int, default=128)
     parser.add_argument("--samples", type=int, default=4096)
-    return parser.parse_known_args(argv)[0]
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The example's flags."""
+    return make_parser("Train a small MLP with DDP on synthetic data.", lr=1.0).parse_known_args(argv)[0]
 
 
 @dataclass
@@ -76,28 +82,39 @@ def build(args: argparse.Namespace, ft: ftrun.Session, **ddp_options: Any) -> Tr
     return Training(model, optimizer, inputs.to(device), targets.to(device), batches)
 
 
-def train_step(ft: ftrun.Session, t: Training, step: int) -> float | None:
-    """One step on this rank's share of the global batch; the global mean loss, or None if abandoned."""
+def local_loss(ft: ftrun.Session, t: Training, step: int, scale: float = 1.0) -> torch.Tensor:
+    """This rank's share of the step's loss (the shares sum to the global batch's mean), backpropagated
+    multiplied by ``scale``."""
     index = t.batches.share(step, ft.rank, ft.world_size).to(t.inputs.device)
     per_sample = F.mse_loss(t.model(t.inputs[index]), t.targets[index], reduction="none").mean(dim=1)
     loss = per_sample.sum() / t.batches.global_batch  # summed over ranks: the mean over the global batch
-    loss.backward()
-    return ft.commit(t.optimizer, loss)
+    (loss * scale if scale != 1.0 else loss).backward()
+    return loss
 
 
-def main() -> None:
-    args = parse_args()
-    ft = ftrun.init()
-    training = build(args, ft)
+def train_step(ft: ftrun.Session, t: Training, step: int) -> float | None:
+    """One step on this rank's share of the global batch; the global mean loss, or None if abandoned."""
+    return ft.commit(t.optimizer, local_loss(ft, t, step))
+
+
+def train(ft: ftrun.Session, steps: int, step_fn: Callable[[int], float | None]) -> None:
+    """The loop both examples share: rank 0 prints each committed step's loss, and the last one."""
     last = None
-    for step in ft.steps(args.steps):
-        loss = train_step(ft, training, step)
+    for step in ft.steps(steps):
+        loss = step_fn(step)
         if loss is not None:
             last = (step, loss)
             if ft.rank == 0:
                 print(f"step={step} loss={loss:.12g}", flush=True)
     if ft.rank == 0 and last is not None:
         print(f"final step={last[0]} loss={last[1]:.12g}", flush=True)
+
+
+def main() -> None:
+    args = parse_args()
+    ft = ftrun.init()
+    training = build(args, ft)
+    train(ft, args.steps, lambda step: train_step(ft, training, step))
 
 
 if __name__ == "__main__":

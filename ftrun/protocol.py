@@ -33,6 +33,7 @@ ENTERED = "entered"  # the first collective of a step started: {step}
 FINISHED = "finished"  # the worker left the step loop: no more progress is to be expected
 RECOVERED = "recovered"  # the worker finished recovery for a generation: {gen, step, timings}
 SAVED = "saved"  # the worker wrote its state (for a restart, or a next launch): {step}, or {step, error} if it could not
+UNRECOVERABLE = "unrecoverable"  # the new generation cannot recover in place (a shard in no memory): {reason}
 COLLECTIVE_FAILED = "collective_failed"  # a collective failed with no new plan to explain it: {gen, step, phase,
 # error, unreachable}: phase "step" (in training), "form", "agree", "transfer" or "probe"; unreachable, after a
 # probe: {uid: [uids it could not connect to]} for every member (empty lists when all connected)
@@ -172,6 +173,7 @@ FROM_WORKER: dict[str, dict[str, Check]] = {
     FINISHED: {},
     RECOVERED: {"gen": _int, "step": _int, "timings": _timings, "plan_received": _number},
     SAVED: {"step": _int},
+    UNRECOVERABLE: {"gen": _int, "reason": _text},
     COLLECTIVE_FAILED: {"gen": _int, "step": _int, "phase": _text, "error": _text, "unreachable": _unreachable},
 }
 """Every message a worker sends its agent, with the fields the agent reads."""

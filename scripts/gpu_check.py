@@ -102,7 +102,7 @@ def check_manifest() -> None:
     data, specs, _ = transfer.manifest(state)
     kinds = sorted({spec.device_type for spec in specs})
     into = transfer.targets(specs, state, {"cuda": backends.device_of("cuda")})
-    in_place = sum(t.data_ptr() == dict(transfer._leaves(state))[s.path].data_ptr() for t, s in zip(into, specs))
+    in_place = sum(t.data_ptr() == dict(transfer.leaves(state))[s.path].data_ptr() for t, s in zip(into, specs))
     routed = {kind for kind in backends.served("nccl")}
     print(f"manifest: {len(data)} bytes, {len(specs)} tensors by reference on {kinds} (the data plane takes "
           f"{sorted(routed)}), {in_place} of them received in place", flush=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from runs import COMMIT, HELD_STEPS, HELD_TRAINING, NPROC, RTOL, STEPS, TIMEOUT, TRAINING, Run, read_run
+from runs import COMMIT, HELD_STEPS, HELD_TRAINING, NPROC, TIMEOUT, TRAINING, Run, fault_free, read_run
 
 FTRUN = [sys.executable, "-m", "ftrun"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -205,13 +205,14 @@ def freezer(tmp_path):
 
 @pytest.fixture(scope="session")
 def launch(run_ftrun, workload, tmp_path_factory):
-    """Run ftrun with 4 workers over a training workload with FAULTS (and AWAIT); returns the Run."""
+    """Run ftrun with 4 workers over a training workload with FAULTS (and AWAIT) training EXAMPLE (train_ddp
+    unless named); returns the Run."""
 
     def run(*ftrun_args: str, faults: str = "", wait: str = "", script: str = "faulty_train.py",
-            training: list[str] = TRAINING, nproc: int = NPROC) -> Run:
+            training: list[str] = TRAINING, nproc: int = NPROC, example: str = "") -> Run:
         log_dir = tmp_path_factory.mktemp("run")
         result = run_ftrun("--nproc-per-node", nproc, "--log-dir", log_dir, *ftrun_args, workload(script),
-                           *training, env={"FAULTS": faults, "AWAIT": wait}, timeout=TIMEOUT)
+                           *training, env={"FAULTS": faults, "AWAIT": wait, "EXAMPLE": example}, timeout=TIMEOUT)
         return read_run(result, log_dir)
 
     return run
@@ -220,17 +221,13 @@ def launch(run_ftrun, workload, tmp_path_factory):
 @pytest.fixture(scope="session")
 def baseline(launch) -> dict[int, float]:
     """The fault-free run's loss per step (every rank prints the same, all-reduced loss)."""
-    run = launch()
-    assert run.returncode == 0, run.explain()
-    commits = run.commits()
-    assert set(commits) == set(range(NPROC))
-    losses = {c.step: c.loss for c in commits[0]}
-    for uid, lines in commits.items():
-        assert [c.step for c in lines] == list(range(STEPS)), f"uid {uid}"
-        assert all(c.world == NPROC and c.rank == uid and c.loss == losses[c.step] for c in lines), lines
-    # the parity checks below are only meaningful if the loss moves by much more than RTOL every step
-    assert all(abs(losses[s + 1] - losses[s]) > 10 * RTOL * losses[s] for s in range(STEPS - 1)), losses
-    return losses
+    return fault_free(launch())
+
+
+@pytest.fixture(scope="session")
+def fsdp_baseline(launch) -> dict[int, float]:
+    """The fault-free run's loss per step of the FSDP2 example (examples/train_fsdp.py)."""
+    return fault_free(launch(example="train_fsdp"))
 
 
 @pytest.fixture(scope="session")

@@ -85,6 +85,21 @@ def read_run(result, log_dir: Path) -> Run:
 
 
 # ------------------------------------------------------------------------------------------ checks
+
+def fault_free(run: Run) -> dict[int, float]:
+    """A fault-free run's loss per step, checked: every rank committed every step with the same loss."""
+    assert run.returncode == 0, run.explain()
+    commits = run.commits()
+    assert set(commits) == set(range(NPROC))
+    losses = {c.step: c.loss for c in commits[0]}
+    for uid, lines in commits.items():
+        assert [c.step for c in lines] == list(range(STEPS)), f"uid {uid}"
+        assert all(c.world == NPROC and c.rank == uid and c.loss == losses[c.step] for c in lines), lines
+    # the parity checks below are only meaningful if the loss moves by much more than RTOL every step
+    assert all(abs(losses[s + 1] - losses[s]) > 10 * RTOL * losses[s] for s in range(STEPS - 1)), losses
+    return losses
+
+
 def check_in_place(run: Run, baseline: dict[int, float], *, lost: dict[int, int], fault_step: int,
                    joiners: tuple[int, ...] = (), respawned: tuple[int, ...] = (),
                    world_after: int | None = None) -> dict:

@@ -140,6 +140,8 @@ class Leader:
             self._collective_failed(worker, message)
         elif kind == protocol.RECOVERED and self.recovery and message["gen"] == self.recovery.gen:
             self.recovery.reports[uid] = message
+        elif kind == protocol.UNRECOVERABLE and self.recovery is not None and message["gen"] == self.recovery.gen:
+            self._give_up(message["reason"])
         elif kind == protocol.SAVED and self.rescue is not None:
             self.rescue.waiting.discard(uid)
             if message.get("error"):

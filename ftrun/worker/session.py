@@ -9,7 +9,9 @@ import os
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,8 @@ from ftrun.worker.injected import WorkerDrills
 from ftrun.worker.links import LinkFailure
 from ftrun.worker.interruptible import Superseded
 from ftrun.worker.planes import Planes
+from ftrun.worker.redundancy import Rebuild, Redundancy, is_sharded
+from ftrun.worker.shards import Choice, Holding, choose
 from ftrun.worker.steps import CollectiveFailed, StepCollectives
 from ftrun.worker.state import Stateful, best_rescue, load_into, save_rescue, snapshot
 
@@ -54,6 +58,8 @@ class Session:
         self.recovery_timeout = float(os.environ.get("FTRUN_RECOVERY_DEADLINE", DEFAULT_RECOVERY_DEADLINE))
         """Seconds this worker waits for a recovery to finish (the agent's --recovery-timeout + --join-timeout)."""
         self.protected: dict[str, Stateful] = {}
+        self.redundancy: Redundancy | None = None  # sharded (FSDP2) state: its copies in peers' memory
+        self._swallowed: BaseException | None = None  # the last collective error guard() turned into a failed step
         self.committed_step = -1
         self.gen = 0
         self._ddps: list[tuple[DistributedDataParallel, dict[str, Any]]] = []
@@ -112,9 +118,39 @@ class Session:
         self._ddps.append((model, kwargs))
         return model
 
-    def protect(self, **objects: Stateful) -> None:
-        """Register the state a peer sends to a rank that is behind: models, optimizers, schedulers..."""
+    def protect(self, rebuild: Rebuild | None = None, refresh_every: int = 1, **objects: Stateful) -> None:
+        """Register the state a peer sends to a rank that is behind: models, optimizers, schedulers...
+
+        Sharded state (an FSDP2 ``fully_shard`` model and its optimizer: DTensors) is kept redundant
+        instead: each rank's shards are copied into a peer's host memory after every ``refresh_every``-th
+        committed step (0: never), and recovered from there. It needs ``rebuild``: a function that builds the same
+        objects anew over the current world (``fully_shard`` over the default group, a new optimizer)
+        and returns them by the names given here; after a recovery :attr:`protected` holds them.
+        """
         self.protected.update(objects)
+        if not any(is_sharded(t) for obj in objects.values() for _, t in transfer.leaves(obj.state_dict())):
+            return
+        if rebuild is None:
+            raise ValueError("ftrun: protect() of sharded (FSDP2) state needs rebuild=, a function that builds "
+                             "the same objects over the current world (README, 'Sharded models')")
+        if self.managed:
+            self.redundancy = Redundancy(self.protected, rebuild, refresh_every, self.collectives.issue)
+
+    @contextmanager
+    def guard(self) -> Iterator[None]:
+        """Run a step's forward and backward: a collective failed by a peer's loss ends the block quietly.
+
+        Sharded models (FSDP2) run their collectives inside ``model(x)`` and ``backward()``, outside
+        ftrun's reach: under ftrun such a failure marks the step failed, :meth:`commit` then returns
+        None and the step is run again after recovery. Elsewhere (plain torchrun) errors propagate.
+        """
+        try:
+            yield
+        except (RuntimeError, CollectiveFailed, Superseded) as exc:
+            if not self.managed or not (isinstance(exc, (CollectiveFailed, Superseded)) or _from_collective(exc)):
+                raise
+            self._swallowed = exc  # the cause shown if no recovery follows
+            self.collectives.fail()
 
     def steps(self, total: int) -> Iterator[int]:
         """Yield step numbers up to ``total``; after a fault, the first uncommitted step comes again."""
@@ -129,8 +165,11 @@ class Session:
             self._recover()
         else:
             self._restore_rescue()
+            self._refresh()
         step = self.committed_step + 1
         while step < total:
+            if self.redundancy is not None:
+                self.redundancy.wait()  # the last committed step is in a peer's memory before the next starts
             if self._needs_recovery():
                 self._recover()
                 step = self.committed_step + 1
@@ -144,6 +183,8 @@ class Session:
                 step += 1
             elif not self._needs_recovery():
                 raise RuntimeError("ftrun: call commit(optimizer) once in every step of steps()")
+        if self.redundancy is not None:
+            self.redundancy.wait()  # the copy of the last step: no thread left in a collective at exit
         self.channel.send(protocol.FINISHED, step=self.committed_step)
 
     def commit(self, optimizer: torch.optim.Optimizer, loss: torch.Tensor | None = None) -> float | None:
@@ -160,6 +201,7 @@ class Session:
             optimizer.step()
             self.committed_step = self._step
         optimizer.zero_grad(set_to_none=True)
+        self._refresh()
         self._rebuild_buckets()
         if self.planes is not None and self.planes.stale:
             self._release_stale()
@@ -167,6 +209,11 @@ class Session:
             self.channel.send(protocol.PROGRESS, gen=self.gen, step=self._step, time=time.time(),
                               step_time=time.monotonic() - self._step_started)
         return total
+
+    def _refresh(self) -> None:
+        """Start copying the sharded state of the committed step to the buddy, if this step is due."""
+        if self.redundancy is not None and self.redundancy.due(self.committed_step):
+            self.redundancy.refresh(self.committed_step, self.planes.control)
 
     def _loss_group(self, loss: torch.Tensor) -> dist.ProcessGroup:
         """Where a loss no gradient bucket carried is summed: the data plane if it takes its device."""
@@ -221,6 +268,9 @@ class Session:
         On a thread of its own: a state transfer may hold the state lock, and the channel thread must
         stay free to deliver plans meanwhile.
         """
+        if self.redundancy is not None:  # one shard is no state to restart from: nothing is written
+            self.channel.send(protocol.SAVED, step=-1)
+            return
         with self._state_lock:
             step = self.committed_step
             try:
@@ -263,6 +313,7 @@ class Session:
             unexplained = not self.spare and self._latest.gen <= self.gen and self.collectives.failed
         if unexplained:
             self._report(self.gen, "step", self.collectives.error or "a collective failed")
+        was_spare = self.spare
         while True:
             plan, received = self._next_plan(deadline)
             deadline = deadline or time.monotonic() + self.recovery_timeout
@@ -273,10 +324,17 @@ class Session:
                 self.planes.form(plan, superseded)
                 t1 = time.time()
                 phase = "agree"
-                best, source, behind = self._agree(deadline)
-                t2 = time.time()
-                phase = "transfer"
-                self._transfer(best, source, behind)
+                if self.redundancy is not None:
+                    choice = self._agree_sharded(plan.gen, deadline)
+                    t2 = time.time()
+                    phase = "transfer"
+                    self._restore_sharded(choice, plan.gen)
+                    behind = [self.rank] if was_spare else []
+                else:
+                    best, source, behind = self._agree(deadline)
+                    t2 = time.time()
+                    phase = "transfer"
+                    self._transfer(best, source, behind)
                 self._rebuild_ddp()  # after the transfer: every rank now holds the same state
                 t3 = time.time()
             except (Superseded, CollectiveFailed, LinkFailure, dist.DistError) as exc:
@@ -318,7 +376,8 @@ class Session:
             while True:
                 timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
                 if not self._cond.wait_for(lambda: self._latest.gen > self._considered, timeout=timeout):
-                    raise RuntimeError(f"ftrun: no new generation within {self.recovery_timeout:.0f} s of a fault")
+                    raise RuntimeError(f"ftrun: no new generation within {self.recovery_timeout:.0f} s of a fault") \
+                        from self._swallowed
                 plan = self._latest
                 self._considered = plan.gen
                 if plan.rank_of(self.uid) is not None:
@@ -338,6 +397,36 @@ class Session:
         if best < -1:
             raise RuntimeError("ftrun: no member of the new generation holds a committed state to resume from")
         return best, values.index(best), [r for r, v in enumerate(values) if v < best]
+
+    def _agree_sharded(self, gen: int, deadline: float) -> Choice:
+        """All-gather what each rank holds of the sharded state; every rank picks the same step and sources."""
+        self.redundancy.wait(max(0.0, deadline - time.monotonic()))  # an aborted refresh ends at once
+        mine = torch.tensor(self.redundancy.holding(self.committed_step, self.spare).to_list(), dtype=torch.int64)
+        held = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        control = self.planes.control
+        self.collectives.wait(self.collectives.issue(lambda: control.allgather([held], [mine])), deadline)
+        choice = choose([Holding.from_list(t.tolist()) for t in held])
+        if choice is None:  # every rank sees it: the agent falls back to a group restart and stops this worker
+            reason = "a rank and its buddy were lost together: a shard of the sharded state is in no memory"
+            self.channel.send(protocol.UNRECOVERABLE, gen=gen, reason=reason)
+            with self._cond:
+                self._cond.wait_for(lambda: time.monotonic() >= deadline, timeout=max(0.0, deadline - time.monotonic()))
+            sys.exit(f"ftrun: {reason}; no group restart came within the recovery deadline")
+        return choice
+
+    def _restore_sharded(self, choice: Choice, gen: int) -> None:
+        """Move the chosen copies into the new shards, rebuild the objects over this world and load them;
+        then copy the result to the buddies at once, so the new generation is redundant from its start."""
+        with self._state_lock:
+            self.committed_step = INVALID_STEP
+            self.redundancy.restore(choice, self.planes.control, gen)
+            self.committed_step = choice.step
+        if not self.redundancy.every:
+            return  # no copies are kept (refresh_every 0)
+        self.redundancy.refresh(choice.step, self.planes.control)
+        self.redundancy.wait()
+        if not self.redundancy.copied(choice.step):
+            raise CollectiveFailed("the copy to the buddies after recovery broke off")
 
     def _transfer(self, best: int, source: int, behind: list[int]) -> None:
         """The source sends its protected state to the ranks behind it (and only to them), device to device.
@@ -397,6 +486,15 @@ class Session:
         elif dist.is_initialized():
             dist.destroy_process_group()
 
+
+def _from_collective(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised inside torch.distributed's collective calls (Gloo raises a plain
+    RuntimeError when a peer's connection closes), rather than by the user's code or a kernel."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return isinstance(exc, dist.DistError) or bool(frames) and frames[-1].filename.endswith(_C10D)
+
+
+_C10D = os.path.join("torch", "distributed", "distributed_c10d.py")
 
 _session: Session | None = None
 

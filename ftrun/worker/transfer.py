@@ -69,30 +69,30 @@ class Route:
 
 
 # ------------------------------------------------------------------------------ structure
-def _leaves(value: Any, path: tuple = ()) -> Iterator[tuple[tuple, torch.Tensor]]:
+def leaves(value: Any, path: tuple = ()) -> Iterator[tuple[tuple, torch.Tensor]]:
     """Every tensor in a nest of dicts, lists and tuples, with its path, in a fixed order."""
     if isinstance(value, torch.Tensor):
         yield path, value
     elif isinstance(value, dict):
         for key, item in value.items():
-            yield from _leaves(item, (*path, key))
+            yield from leaves(item, (*path, key))
     elif isinstance(value, (list, tuple)) and not _is_ref(value):
         for index, item in enumerate(value):
-            yield from _leaves(item, (*path, index))
+            yield from leaves(item, (*path, index))
 
 
-def _replace(value: Any, swap: Callable[[tuple, Any], Any], path: tuple = ()) -> Any:
+def replace_leaves(value: Any, swap: Callable[[tuple, Any], Any], path: tuple = ()) -> Any:
     """A copy of the nest with each leaf passed through ``swap(path, leaf)``; an OrderedDict keeps its
     ``_metadata`` (a module's state_dict versions)."""
     if isinstance(value, dict):
         copy = OrderedDict() if isinstance(value, OrderedDict) else {}
         for key, item in value.items():
-            copy[key] = _replace(item, swap, (*path, key))
+            copy[key] = replace_leaves(item, swap, (*path, key))
         if isinstance(value, OrderedDict) and hasattr(value, "_metadata"):
             copy._metadata = value._metadata
         return copy
     if isinstance(value, (list, tuple)) and not _is_ref(value):
-        items = [_replace(item, swap, (*path, index)) for index, item in enumerate(value)]
+        items = [replace_leaves(item, swap, (*path, index)) for index, item in enumerate(value)]
         return items if isinstance(value, list) else tuple(items)
     return swap(path, value)
 
@@ -115,7 +115,7 @@ def manifest(state: Any) -> tuple[bytes, list[TensorSpec], list[torch.Tensor]]:
         tensors.append(leaf.detach())
         return (REF, len(tensors) - 1)
 
-    skeleton = _replace(state, swap)
+    skeleton = replace_leaves(state, swap)
     buffer = io.BytesIO()
     torch.save({"skeleton": skeleton, "specs": [(s.path, s.dtype, s.shape, s.device_type) for s in specs]}, buffer)
     return buffer.getvalue(), specs, tensors
@@ -148,7 +148,7 @@ def buckets(specs: list[TensorSpec], bucket_bytes: int) -> list[list[int]]:
 def targets(specs: list[TensorSpec], own: Any, devices: dict[str, torch.device]) -> list[torch.Tensor]:
     """Where each referenced tensor is received: this rank's own tensor at that path if it matches
     (received in place), else a new one on this rank's device of that type."""
-    mine = dict(_leaves(own))
+    mine = dict(leaves(own))
     result = []
     for spec in specs:
         tensor = mine.get(spec.path)
@@ -161,7 +161,7 @@ def targets(specs: list[TensorSpec], own: Any, devices: dict[str, torch.device])
 
 def fill(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
     """The skeleton with each reference replaced by its received tensor."""
-    return _replace(skeleton, lambda _, leaf: tensors[leaf[1]] if _is_ref(leaf) else leaf)
+    return replace_leaves(skeleton, lambda _, leaf: tensors[leaf[1]] if _is_ref(leaf) else leaf)
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:

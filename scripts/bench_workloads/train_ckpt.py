@@ -16,7 +16,9 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
@@ -35,16 +37,20 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_known_args()[0]
 
 
-def save(path: Path, training: train_ddp.Training, step: int) -> None:
-    """Write the checkpoint atomically: a crash mid-write leaves the previous one intact."""
+def save(directory: Path, training: train_ddp.Training, step: int) -> None:
+    """Rank 0 writes the checkpoint atomically: a crash mid-write leaves the previous one intact."""
+    if torch.distributed.get_rank() != 0:
+        return
+    path = directory / "ckpt.pt"
     partial = path.with_suffix(".partial")
     torch.save({"step": step, "model": training.model.state_dict(),
                 "optimizer": training.optimizer.state_dict()}, partial)
     os.replace(partial, path)
 
 
-def load(path: Path, training: train_ddp.Training) -> int:
+def load(directory: Path, training: train_ddp.Training) -> int:
     """Restore model and optimizer from the checkpoint; the last step it holds, or -1 without one."""
+    path = directory / "ckpt.pt"
     if not path.exists():
         return -1
     state = torch.load(path, map_location="cpu")
@@ -53,26 +59,32 @@ def load(path: Path, training: train_ddp.Training) -> int:
     return int(state["step"])
 
 
-def main() -> None:
+def run(example: Any, save: Callable[[Path, Any, int], None], load: Callable[[Path, Any], int]) -> None:
+    """Train ``example`` (a module with parse_args, build, train_step); outside ftrun ``save`` to
+    --ckpt-dir every --ckpt-every steps (on every rank) and ``load`` from it at the start."""
     own = parse_args()
-    args = train_ddp.parse_args()
+    args = example.parse_args()
     ft = ftrun.init()
-    training = train_ddp.build(args, ft)
+    training = example.build(args, ft)
     checkpoints = own.ckpt_every > 0 and "FTRUN_UID" not in os.environ
-    path = Path(own.ckpt_dir) / "ckpt.pt"
-    resumed = load(path, training) if checkpoints else -1
+    directory = Path(own.ckpt_dir)
+    resumed = load(directory, training) if checkpoints else -1
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     for step in ft.steps(args.steps):
         if step <= resumed:
             continue
-        loss = train_ddp.train_step(ft, training, step)
+        loss = example.train_step(ft, training, step)
         if loss is None:
             continue
         if ft.rank == 0:
             print(f"step={step} loss={loss:.12g} t={time.time():.6f} world={ft.world_size} attempt={attempt}",
                   flush=True)
-            if checkpoints and (step + 1) % own.ckpt_every == 0:
-                save(path, training, step)
+        if checkpoints and (step + 1) % own.ckpt_every == 0:
+            save(directory, training, step)
+
+
+def main() -> None:
+    run(train_ddp, save, load)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ def objects(seed: int) -> dict:
 def assert_same_state(a: dict, b: dict) -> None:
     for name in a:
         left, right = a[name].state_dict(), b[name].state_dict()
-        flat_left, flat_right = dict(transfer._leaves(left)), dict(transfer._leaves(right))
+        flat_left, flat_right = dict(transfer.leaves(left)), dict(transfer.leaves(right))
         assert flat_left.keys() == flat_right.keys(), name
         for path, tensor in flat_left.items():
             assert torch.equal(tensor, flat_right[path]), (name, path)
@@ -79,7 +79,7 @@ def test_targets_receive_in_place_where_the_receiver_has_a_matching_tensor():
     own = snapshot(objects(1), -2)
     _, specs, _ = transfer.manifest(snapshot(objects(0), 3))
     into = transfer.targets(specs, own, {"cpu": torch.device("cpu")})
-    mine = dict(transfer._leaves(own))
+    mine = dict(transfer.leaves(own))
     assert all(t.data_ptr() == mine[s.path].data_ptr() for t, s in zip(into, specs))
     fresh = transfer.targets(specs, snapshot({"model": objects(1)["model"]}, -2), {"cpu": torch.device("cpu")})
     assert not any(s.path[1] == "optimizer" and t.data_ptr() in {m.data_ptr() for m in mine.values()}

@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import faulty_train  # noqa: E402
-from faulty_train import UID, ftrun, train_ddp  # noqa: E402
+from faulty_train import EXAMPLE, UID, ftrun  # noqa: E402
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 FAULTS = faulty_train.FAULTS if ATTEMPT == 0 else []
@@ -57,9 +57,9 @@ def wait_for(what: str, timeout: float = 120.0) -> None:
 
 
 def main() -> None:
-    args = train_ddp.parse_args()
+    args = EXAMPLE.parse_args()
     ft = ftrun.init()
-    training = train_ddp.build(args, ft, bucket_cap_mb=1)
+    training = faulty_train.build(args, ft)
     if os.environ.get("FTRUN_JOINER") == "1":
         for when, what in AWAIT:
             if when == "joiner":
@@ -72,7 +72,7 @@ def main() -> None:
                 wait_for(what)
         for kind, at, uid in FAULTS:
             faulty_train.plant(kind, int(at), int(uid), training, step)
-        loss = train_ddp.train_step(ft, training, step)
+        loss = EXAMPLE.train_step(ft, training, step)
         if loss is not None:
             print(f"commit uid={UID} rank={ft.rank} world={ft.world_size} step={step} loss={loss:.12g}", flush=True)
     for when, what in AWAIT:

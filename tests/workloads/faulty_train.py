@@ -4,13 +4,17 @@ FAULTS (environment) is a comma list of KIND:STEP:UID, where UID is the worker's
 rank): kill (SIGKILL itself before the step), exception (raise in the step), allreduce (SIGKILL itself
 inside the gradient all-reduce: after the first bucket's all-reduce has started on every rank),
 recovery (SIGKILL itself while re-forming the group after the first fault), reset (shut down every TCP
-connection between itself and one other worker, both alive: a link reset, no death). Faults are planted in
-the first attempt only, so a group restart runs clean.
+connection between itself and one other worker, both alive: a link reset, no death), backward (SIGKILL itself
+in backward before the first layer's gradients: with FSDP, between the layers' reduce-scatters), refresh
+(SIGKILL itself in the copy of the state of committed step STEP to its buddy: sharded state only). Each fault
+is planted once, in the first attempt only, so a group restart runs clean. EXAMPLE (environment) names the
+example trained: train_ddp (the default) or train_fsdp.
 Every rank prints `commit uid=<uid> step=<n> loss=<float>` for each committed step.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import socket
@@ -23,11 +27,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 import ftrun  # noqa: E402
 import train_ddp  # noqa: E402
-from ftrun.worker import planes  # noqa: E402
+from ftrun.worker import planes, redundancy  # noqa: E402
 
 UID = int(os.environ.get("FTRUN_UID", os.environ.get("RANK", "0")))
 FIRST_ATTEMPT = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 FAULTS = [f.split(":") for f in os.environ.get("FAULTS", "").split(",") if f] if FIRST_ATTEMPT else []
+EXAMPLE = importlib.import_module(os.environ.get("EXAMPLE") or "train_ddp")
+
+
+def build(args, ft: ftrun.Session) -> train_ddp.Training:
+    """The example's training; DDP with small buckets, so that the gradient all-reduce has several."""
+    return EXAMPLE.build(args, ft, bucket_cap_mb=1) if EXAMPLE is train_ddp else EXAMPLE.build(args, ft)
 
 
 def die() -> None:
@@ -68,19 +78,25 @@ def plant(kind: str, step: int, uid: int, training: train_ddp.Training, current:
         original = planes.Planes.form
         planes.Planes.form = lambda self, plan, superseded: die() if plan.gen >= 1 else original(
             self, plan, superseded)
+    if kind == "backward":
+        training.model[0].register_full_backward_pre_hook(lambda *_: die())
+    if kind == "refresh":
+        original_exchange = redundancy.Redundancy._exchange
+        redundancy.Redundancy._exchange = lambda self, at, *rest: die() if at == step else original_exchange(
+            self, at, *rest)
 
 
 def main() -> None:
-    args = train_ddp.parse_args()
+    args = EXAMPLE.parse_args()
     ft = ftrun.init()
-    training = train_ddp.build(args, ft, bucket_cap_mb=1)
+    training = build(args, ft)
     planted: set[int] = set()  # each fault once: a step replayed after a recovery does not plant it again
     for step in ft.steps(args.steps):
         for index, (kind, at, uid) in enumerate(FAULTS):
             if index not in planted and int(at) == step:
                 planted.add(index)
                 plant(kind, int(at), int(uid), training, step)
-        loss = train_ddp.train_step(ft, training, step)
+        loss = EXAMPLE.train_step(ft, training, step)
         if loss is not None:
             print(f"commit uid={UID} rank={ft.rank} world={ft.world_size} step={step} loss={loss:.12g}", flush=True)
 

@@ -1,0 +1,69 @@
+"""Sharded (FSDP2) training recovered in place from the copies in a buddy's host memory, never from disk.
+
+4 CPU workers on Gloo train examples/train_fsdp.py (an MLP, fully_shard per layer, AdamW) through
+tests/workloads/faulty_train.py. Each rank's shard lives in its own memory only; after each committed step
+a copy goes to rank (r + 1) % 4. The loss of rank 2's shard, or rank 0's, is made good from that copy.
+
+Loss parity tolerance: the same RTOL as the DDP tests (runs.py), for the same reason. Up to the fault the
+run is the fault-free one bit for bit; after it, 3 ranks reduce-scatter the float32 gradients in another
+order than 4 (and FSDP's averaging over 3 ranks undoes the loss's scaling by 3 with rounding): ~1e-7
+relative per step, through AdamW's normalised update. Observed: ~2e-8. A skipped, doubled or stale step
+(or a shard loaded at the wrong place, or AdamW's moments lost) moves the loss by ~1e-2 and fails it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from runs import NO_WATCHDOG, NPROC, PHASES, RTOL, STEPS, check_in_place
+
+FSDP = "train_fsdp"
+
+
+def test_sigkill_of_a_middle_rank_reshards_over_the_3_survivors(launch, fsdp_baseline):
+    run = launch(faults="kill:5:2", example=FSDP)
+    check_in_place(run, fsdp_baseline, lost={2: -9}, fault_step=5)
+    assert "ftrun: sharded state kept redundant in host memory every 1 step(s)" in run.stdout + run.stderr
+
+
+def test_sigkill_of_rank_0_inside_the_reduce_scatters_takes_its_shard_from_rank_1s_memory(launch, fsdp_baseline):
+    # rank 0 dies in backward, after the last layers' reduce-scatters started and before the first's:
+    # the survivors' collectives fail inside backward(), ft.guard() turns that into a discarded step
+    run = launch(faults="backward:5:0", example=FSDP)
+    check_in_place(run, fsdp_baseline, lost={0: -9}, fault_step=5)
+    assert any("[default1]: commit uid=1 rank=0 world=3 step=5 " in line for line in run.stdout.splitlines())
+
+
+def test_spare_takes_over_a_lost_shard_and_world_stays_4(launch, fsdp_baseline):
+    run = launch("--spares", "1", *NO_WATCHDOG, faults="kill:5:2", wait="5:joiner_ready", script="await_train.py",
+                 example=FSDP)
+    recovery = check_in_place(run, fsdp_baseline, lost={2: -9}, fault_step=5, joiners=(4,))
+    assert recovery["joiners"] == [4], run.explain()
+    assert [c.step for c in run.commits()[4]] == list(range(5, STEPS)), run.explain()
+
+
+def test_kill_during_a_refresh_returns_to_the_previous_complete_copy_and_replays_one_step(launch, fsdp_baseline):
+    # uid 1 dies in the copy of committed step 5 to its buddy: that copy never completes, so the newest
+    # step every shard is held at is 4; the survivors return to it from their snapshots and replay step 5.
+    run = launch(faults="refresh:5:1", example=FSDP)
+    why = run.explain()
+    assert run.returncode == 0 and not run.of("recovery_failed") and not run.of("group_failure"), why
+    starts = {e["uid"]: e["pid"] for e in run.of("worker_start")}
+    exits = {e["uid"]: (e["pid"], e["exitcode"]) for e in run.of("worker_exit")}
+    assert len(run.of("worker_start")) == NPROC, why  # no survivor restarted
+    assert exits == {0: (starts[0], 0), 1: (starts[1], -9), 2: (starts[2], 0), 3: (starts[3], 0)}, why
+    (recovery,) = run.of("recovery")
+    assert (recovery["world_before"], recovery["world_after"], recovery["lost_uids"]) == (4, 3, [1]), why
+    assert recovery["steps_lost"] == 1 and recovery["resumed_at_step"] == 5, why  # step 5 is replayed
+    assert set(recovery["phases"]) == PHASES, why
+    assert "recovered from loss of rank 1 in" in run.stderr and "world 4 -> 3, 1 steps lost" in run.stderr, why
+    commits = run.commits()
+    assert [c.step for c in commits[1]] == list(range(5)), why  # died inside step 5's commit
+    for uid in (0, 2, 3):
+        lines = commits[uid]
+        assert [c.step for c in lines] == [*range(6), *range(5, STEPS)], f"uid {uid}\n{why}"
+        for c in lines:
+            if c.world == NPROC:
+                assert c.loss == fsdp_baseline[c.step], f"{c}\n{why}"  # generation 0: bit for bit
+            else:
+                assert c.loss == pytest.approx(fsdp_baseline[c.step], rel=RTOL), f"{c}\n{why}"

@@ -1,0 +1,143 @@
+"""Sharded (FSDP2) state: where each byte lives, which step a recovery returns to, and what moves where."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ftrun.worker import redundancy
+from ftrun.worker.shards import (BUDDY, INVALID, LIVE, OWN, Choice, Holding, Layout, Leaf, Source, choose, chunk_rows,
+                                 moves)
+
+pytestmark = pytest.mark.fast
+
+LAYOUT = Layout((Leaf(("model", "w"), torch.float32, (10, 3), True),
+                 Leaf(("model", "b"), torch.float32, (3,), True),
+                 Leaf(("optimizer", "state", 0, "step"), torch.float32, (), False),
+                 Leaf(("optimizer", "state", 0, "exp_avg"), torch.float64, (7, 2), True)))
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3, 7, 10, 12])
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
+def test_rows_follow_torch_chunk_as_fsdp2_and_dtensor_shard(rows, world):
+    chunks = torch.arange(rows).chunk(world) if rows else []
+    for index in range(world):
+        start, stop = chunk_rows(rows, index, world)
+        expected = chunks[index].tolist() if index < len(chunks) else []
+        assert list(range(start, stop)) == expected
+
+
+def survivor(index: int, committed: int, own=(INVALID, INVALID), buddy=(INVALID, INVALID), world: int = 4) -> Holding:
+    return Holding(committed, index, world, own, buddy)
+
+
+JOINER = Holding(INVALID, -1, 0, (INVALID, INVALID), (INVALID, INVALID), -1)
+
+
+def test_every_shard_live_needs_no_copy():
+    choice = choose([survivor(i, 7, (6, 7), (6, 7)) for i in range(4)])
+    assert choice.step == 7 and choice.sources == {i: Source(i, LIVE) for i in range(4)}
+
+
+def test_a_lost_middle_shard_comes_from_its_buddys_copy():
+    # shard 2 lost: rank (2 + 1) % 4 = old 3, now rank 2 of the survivors, holds its copy
+    held = [survivor(0, 7, (6, 7), (6, 7)), survivor(1, 7, (6, 7), (6, 7)), survivor(3, 7, (6, 7), (7, 6))]
+    choice = choose(held)
+    assert choice.step == 7 and choice.world == 4
+    assert choice.sources[2] == Source(2, BUDDY, 0) and choice.sources[3] == Source(2, LIVE)
+
+
+def test_a_lost_rank_0_comes_from_rank_1s_copy_and_a_joiner_holds_nothing():
+    choice = choose([survivor(1, 7, (6, 7), (6, 7)), survivor(2, 7, (6, 7), (6, 7)), survivor(3, 7, (6, 7), (6, 7)),
+                     JOINER])
+    assert choice.step == 7 and choice.sources[0] == Source(0, BUDDY, 1)
+    assert all(source.rank != 3 for source in choice.sources.values())
+
+
+def test_a_refresh_broken_off_by_the_fault_returns_everyone_to_the_previous_complete_copy():
+    # shard 1 died while sending step 7: its buddy holds 6 only (7's slot never completed)
+    held = [survivor(0, 7, (6, 7), (6, 7)), survivor(2, 7, (6, 7), (6, INVALID)), survivor(3, 7, (6, 7), (6, 7))]
+    choice = choose(held)
+    assert choice.step == 6
+    assert choice.sources[1] == Source(1, BUDDY, 0) and choice.sources[0] == Source(0, OWN, 0)
+
+
+def test_copies_every_k_steps_return_to_the_last_refresh():
+    held = [survivor(0, 13, (4, 9), (4, 9)), survivor(1, 13, (4, 9), (4, 9)), survivor(2, 13, (4, 9), (4, 9))]
+    assert choose(held).step == 9
+
+
+def test_a_rank_lost_with_its_buddy_cannot_be_recovered_from_memory():
+    assert choose([survivor(0, 7, (6, 7), (6, 7)), survivor(3, 7, (6, 7), (6, 7))]) is None  # shards 1 and 2
+    assert choose([JOINER]) is None
+
+
+def test_survivors_whose_states_are_in_different_layouts_are_not_mixed():
+    # a fault cut the last re-sharding short: rank 0 loaded generation 3's layout, the others did not
+    held = [Holding(7, 0, 3, (INVALID, INVALID), (INVALID, INVALID), 3), survivor(1, 7, (6, 7), (6, 7)),
+            survivor(2, 7, (6, 7), (6, 7)), survivor(3, 7, (6, 7), (6, 7))]
+    assert choose(held) is None
+
+
+def flat_shards(layout: Layout, world: int, tensors: dict) -> list[torch.Tensor]:
+    """Each shard's flat buffer, cut from the global tensors as FSDP2 would shard them."""
+    result = []
+    for index in range(world):
+        parts = []
+        for leaf in layout.leaves:
+            start, stop = leaf.rows(index, world)
+            piece = tensors[leaf.path] if not leaf.shape else tensors[leaf.path][start:stop]
+            parts.append(piece.contiguous().reshape(-1).view(torch.uint8))
+        result.append(torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8))
+    return result
+
+
+@pytest.mark.parametrize("old_world, new_world", [(4, 3), (4, 4), (3, 4), (4, 1), (2, 5)])
+def test_moves_rebuild_every_new_shard_from_the_old_ones_and_nothing_more(old_world, new_world):
+    generator = torch.Generator().manual_seed(0)
+    tensors = {leaf.path: torch.randn(leaf.shape, generator=generator).to(leaf.dtype) for leaf in LAYOUT.leaves}
+    old = flat_shards(LAYOUT, old_world, tensors)
+    # shards held by ranks in reverse order, as after a loss and a re-ordering
+    holders = {i: Source(new_world - 1 - i % new_world, LIVE) for i in range(old_world)}
+    choice = Choice(5, old_world, holders)
+    new = [torch.zeros(LAYOUT.nbytes(j, new_world), dtype=torch.uint8) for j in range(new_world)]
+    received = [0] * new_world
+    for move in moves(LAYOUT, choice, new_world):
+        assert holders[move.shard].rank == move.source
+        new[move.target][move.target_offset:move.target_offset + move.nbytes] = \
+            old[move.shard][move.source_offset:move.source_offset + move.nbytes]
+        received[move.target] += move.nbytes
+    expected = flat_shards(LAYOUT, new_world, tensors)
+    for j in range(new_world):
+        assert torch.equal(new[j], expected[j]), j
+        assert received[j] == LAYOUT.nbytes(j, new_world)  # every byte once: no rank holds more than its shard
+
+
+def test_a_layout_survives_the_trip_to_a_joiner():
+    assert Layout.from_list(LAYOUT.to_list()) == LAYOUT
+
+
+@pytest.fixture
+def world_of_one(free_port):
+    """A default group of this process alone (the meshes below need one)."""
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_only_fsdp2s_one_dimensional_dim_0_sharding_is_accepted(world_of_one):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    flat = init_device_mesh("cpu", (1,))
+    assert redundancy.refusal(distribute_tensor(torch.ones(4, 2), flat, [Shard(0)]), 1) is None
+    tensor_parallel = redundancy.refusal(distribute_tensor(torch.ones(4, 2), flat, [Shard(1)]), 1)
+    replicated = redundancy.refusal(distribute_tensor(torch.ones(4, 2), flat, [Replicate()]), 1)
+    hsdp = redundancy.refusal(distribute_tensor(torch.ones(4, 2), init_device_mesh("cpu", (1, 1)),
+                                                [Replicate(), Shard(0)]), 1)
+    for reason in (tensor_parallel, replicated, hsdp):
+        assert reason.startswith("ftrun: sharded state must be FSDP2") and "\n" not in reason
+    assert "2-D device mesh" in hsdp and "Shard(dim=1)" in tensor_parallel
+    assert "a mesh of 1 of the 2 ranks" in redundancy.refusal(distribute_tensor(torch.ones(2), flat, [Shard(0)]), 2)
