@@ -53,10 +53,13 @@ def unsupported() -> str | None:
 
 
 def _free_subnet() -> ipaddress.IPv4Network:
-    """The first /24 of SUBNETS with no address on this machine's interfaces."""
+    """The first /24 of SUBNETS with no address on this machine's interfaces, in this pytest-xdist worker's
+    share of them (``gw0`` the first 128, ``gw1`` the next...), so that two workers never pick the same."""
     used = {ipaddress.ip_address(a.address) for addrs in psutil.net_if_addrs().values() for a in addrs
             if a.family == socket.AF_INET}
-    for subnet in SUBNETS.subnets(new_prefix=24):
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    share = int(worker) % 2 if worker.isdigit() else 0
+    for subnet in list(SUBNETS.subnets(new_prefix=24))[share * 128:(share + 1) * 128]:
         if not any(address in subnet for address in used):
             return subnet
     raise NetnsError(f"no free /24 left in {SUBNETS}")

@@ -276,8 +276,10 @@ def links_to_cut(unreachable: Mapping[int, Collection[int]], members: Sequence[i
 
 
 def decide_link_fault(m: Membership, trouble: LinkTrouble | None, nodes: Collection[int], reforms: int,
-                      now: float) -> Decision:
+                      now: float, recovery: Recovery | None = None) -> Decision:
     """What to do about collective failures that no death explains, at monotonic ``now``.
+
+    Nothing while ``recovery`` waits for joiners (below --min-nproc): the member it lost explains them.
 
     A probe's matrix with a broken link: EXCLUDE the fewest members that leave every pair connected. A
     member's report (after REFORM_GRACE, in case a death explains it) or a stall on every node of
@@ -285,6 +287,8 @@ def decide_link_fault(m: Membership, trouble: LinkTrouble | None, nodes: Collect
     was tried MAX_REFORMS times in a row (RESCUE: the group restarts).
     """
     if trouble is None or trouble.acted or trouble.gen != m.plan.gen:
+        return NOTHING
+    if recovery is not None and recovery.waiting_since is not None:
         return NOTHING
     if trouble.unreachable is not None:
         cut = links_to_cut(trouble.unreachable, m.plan.members)

@@ -229,7 +229,7 @@ class Leader:
             if stuck:  # a link that drops packets: every rank waits; the other nodes say whether theirs do too
                 self._trouble(now).stuck_nodes.add(0)
         nodes = {node_of(uid) for uid in self.plan.members if uid not in self.members.finished}
-        self._act_on_links(decide_link_fault(self.members, self.trouble, nodes, self.reforms, now))
+        self._act_on_links(decide_link_fault(self.members, self.trouble, nodes, self.reforms, now, self.recovery))
         if self.rescue is None and self.recovery is not None:
             decision = decide_deadline(self.recovery, self.options, now)
             if decision.act is Act.RESCUE:

@@ -277,6 +277,16 @@ def test_a_reported_failure_re_forms_the_same_members_once_no_death_explains_it(
     assert decide_link_fault(m, stale, {0}, reforms=0, now=99.0).act is Act.NONE
 
 
+def test_failures_while_waiting_for_joiners_are_the_lost_members_doing_not_a_link():
+    m = members()
+    trouble = LinkTrouble(gen=0, since=10.0, reasons=["rank 1, step: Connection reset by peer"])
+    waiting = Recovery("fault", began=9.0, started=0.0, noticed=0.0, before=m.plan, committed_before=4,
+                       waiting_since=9.5)
+    assert decide_link_fault(m, trouble, {0}, reforms=0, now=60.0, recovery=waiting).act is Act.NONE
+    waiting.waiting_since = None  # its plan is out: a failure in the new generation is judged again
+    assert decide_link_fault(m, trouble, {0}, reforms=0, now=60.0, recovery=waiting).act is Act.NEW_PLAN
+
+
 def test_a_stall_needs_every_node_with_members_stuck_and_waits_no_grace():
     m = members()
     trouble = LinkTrouble(gen=0, since=50.0, stuck_nodes={0})
