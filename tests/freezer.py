@@ -7,6 +7,7 @@ SIGKILL through, so it cannot stand in for such a worker.) Needs root and the v1
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from pathlib import Path
@@ -62,7 +63,15 @@ class Freezer:
                 (ROOT / "cgroup.procs").write_text(str(pid))
             except OSError:
                 pass  # it ended meanwhile
-        self.path.rmdir()
+        deadline = time.monotonic() + SETTLE
+        while True:  # a task killed as it thawed holds the group (EBUSY) until it has finished exiting
+            try:
+                self.path.rmdir()
+                return
+            except OSError as exc:
+                if exc.errno != errno.EBUSY or time.monotonic() > deadline:
+                    raise
+            time.sleep(0.01)
 
     def _set(self, state: str) -> None:
         (self.path / "freezer.state").write_text(state)
