@@ -93,11 +93,14 @@ def run_until(proc: subprocess.Popen, step: int, action) -> str:
 def check_node_1_evicted(stdout: str, run_dir: Path, baseline: dict[int, float]) -> dict:
     """Node 0's workers trained every step with the baseline's losses, after one recovery without node 1."""
     trained = losses(stdout)
-    assert sorted(trained) == list(range(STEPS))
-    assert all(trained[s] == pytest.approx(baseline[s], rel=RTOL) for s in range(STEPS))
     log = events(run_dir)
     (recovery,) = [e for e in log if e["event"] == "recovery"]
     assert recovery["lost_ranks"] == [2, 3] and recovery["world_after"] == 2 and recovery["steps_lost"] == 0
+    # rank 0 may have aborted the step in flight that a peer had committed: it then took that step's state
+    # from the peer, so that step, and only that one, may be missing from its lines (see tests/runs.py)
+    assert set(trained) <= set(range(STEPS)), trained
+    assert set(range(STEPS)) - set(trained) <= {recovery["resumed_at_step"] - 1}, trained
+    assert all(loss == pytest.approx(baseline[s], rel=RTOL) for s, loss in trained.items())
     return next(e for e in log if e["event"] == "node_lost")
 
 
