@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ftrun.dropped import DroppedWrites, append
 
@@ -105,6 +105,13 @@ KINDS: dict[str, EventKind] = {kind.name: kind for kind in (
     JOINER_READY, JOINER_LOST, GROUP_FAILURE, PROGRESS, RESUMED, ATTEMPT_END, END, LINK_FAULT, HANG, INJECT, NODE_LOST,
     FENCED, GPU_HEALTH, UNKILLABLE, WRITES_DROPPED, FORK_SERVER)}
 """Every kind of event, by name."""
+
+
+class EventSink(Protocol):
+    """Where events are written: the run's event log, as the agent's parts see it."""
+
+    def write(self, kind: EventKind, /, **fields: Any) -> dict[str, Any]:
+        """Record one event; returns the record."""
 
 
 class EventLog:

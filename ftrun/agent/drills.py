@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from ftrun import events, protocol
 from ftrun.agent.gpu_health import GpuHealth
-from ftrun.agent.ports import EventSink
+from ftrun.events import EventSink
 from ftrun.health.signals import Action
 
 if TYPE_CHECKING:

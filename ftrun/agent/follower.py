@@ -13,9 +13,10 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from ftrun import events, protocol
-from ftrun.agent.ports import EventSink, LocalWorkers, Notices, WorkerControl, WorkerHandle
+from ftrun.agent.ports import LocalWorkers, Notices, WorkerControl, WorkerHandle
 from ftrun.agent.watchdog import HangWatchdog
 from ftrun.agent.workers import WorkerSlot
+from ftrun.events import EventSink
 from ftrun.health.hangs import HangPolicy
 from ftrun.store import keys
 from ftrun.store.leases import LeaseKeeper

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ftrun import events
-from ftrun.agent.ports import EventSink
+from ftrun.events import EventSink
 from ftrun.processes import die_with_parent
 
 PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo")

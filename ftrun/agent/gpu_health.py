@@ -17,7 +17,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ftrun import events
-from ftrun.agent.ports import EventSink, LocalWorkers, Notices
+from ftrun.agent.ports import LocalWorkers, Notices
+from ftrun.events import EventSink
 from ftrun.health.nvml import NvmlMonitor
 from ftrun.health.policy import XidTable, decide
 from ftrun.health.signals import SIGNAL_KINDS, Action, Decision, HealthSignal

@@ -13,8 +13,9 @@ from typing import Any
 
 from ftrun import events, protocol
 from ftrun.agent.failures import WorkerFailure
-from ftrun.agent.ports import EventSink, LeaderInbox, Notices, WorkerControl, WorkerHandle
+from ftrun.agent.ports import LeaderInbox, Notices, WorkerControl, WorkerHandle
 from ftrun.agent.workers import WorkerSlot
+from ftrun.events import EventSink
 from ftrun.protocol import UID_STRIDE
 from ftrun.store import keys
 from ftrun.store.leases import NodeLeases

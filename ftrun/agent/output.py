@@ -9,9 +9,9 @@ from pathlib import Path
 from string import Template
 
 from ftrun import events
-from ftrun.agent.ports import EventSink
 from ftrun.console import STDERR, STDOUT, Console
 from ftrun.dropped import DroppedWrites, append
+from ftrun.events import EventSink
 from ftrun.lines import LineBuffer
 
 _COLOURS = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta"]

@@ -12,11 +12,11 @@ from ftrun import events
 from ftrun.agent.env import launch_env, worker_env
 from ftrun.agent.forkserver import STARTING, UNUSABLE, ForkRefused, ForkServer, can_serve
 from ftrun.agent.output import LogFiles, WorkerOutput, render_prefix
-from ftrun.agent.ports import EventSink
 from ftrun.agent.script_imports import script_imports_torch
 from ftrun.agent.workers import Worker, WorkerSlot, fork_worker, spawn_worker
 from ftrun.config import LaunchConfig
 from ftrun.console import STDERR, STDOUT, Console
+from ftrun.events import EventSink
 from ftrun.protocol import UID_STRIDE, worker_message_problem
 
 OUTPUT, CHANNEL, EXIT = "output", "channel", "exit"

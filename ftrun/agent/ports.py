@@ -15,15 +15,7 @@ if TYPE_CHECKING:
 
     from ftrun.agent.failures import WorkerFailure
     from ftrun.agent.workers import Worker, WorkerSlot
-    from ftrun.events import EventKind
     from ftrun.protocol import Plan
-
-
-class EventSink(Protocol):
-    """The run's event log."""
-
-    def write(self, kind: EventKind, /, **fields: Any) -> dict[str, Any]:
-        """Record one event; returns the record."""
 
 
 class Notices(Protocol):

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from ftrun import events
-from ftrun.agent.ports import Coordination, EventSink, LocalWorkers
+from ftrun.agent.ports import Coordination, LocalWorkers
+from ftrun.events import EventSink
 from ftrun.store.job import JobStore
 from ftrun.tally import EventTally, exit_reason
 

@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from ftrun import events, protocol
-from ftrun.agent.ports import EventSink, Notices, WorkerHandle
+from ftrun.agent.ports import Notices, WorkerHandle
 from ftrun.agent.shutdown import Phase, StopSchedule, kill_now, phase
+from ftrun.events import EventSink
 from ftrun.processes import signal_name
 
 _ORDER = (Phase.SAVE, Phase.SIGNAL, Phase.KILL, Phase.ABANDON)

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING
 import psutil
 
 from ftrun import events
-from ftrun.agent.ports import EventSink, LocalWorkers, Notices
+from ftrun.agent.ports import LocalWorkers, Notices
 from ftrun.agent.shutdown import KILL_WAIT
+from ftrun.events import EventSink
 from ftrun.health.hangs import HangPolicy, RankActivity, hang_timeout, hung_ranks
 from ftrun.protocol import STACK_DUMP_SIGNAL
 
