@@ -3,7 +3,8 @@
 FAULTS (environment) is a comma list of KIND:STEP:UID, where UID is the worker's FTRUN_UID (its initial
 rank): kill (SIGKILL itself before the step), exception (raise in the step), allreduce (SIGKILL itself
 inside the gradient all-reduce: after the first bucket's all-reduce has started on every rank),
-recovery (SIGKILL itself while re-forming the group after the first fault), reset (shut down every TCP
+recovery (SIGKILL itself while re-forming the group after the first fault; armed from the first step
+whatever STEP says, since the first fault's recovery may begin before this worker reaches STEP), reset (shut down every TCP
 connection between itself and one other worker, both alive: a link reset, no death), backward (SIGKILL itself
 in backward before the first layer's gradients: with FSDP, between the layers' reduce-scatters), refresh
 (SIGKILL itself in the copy of the state of committed step STEP to its buddy: sharded state only). Each fault
@@ -58,8 +59,8 @@ def reset_link() -> None:
                 sock.shutdown(socket.SHUT_RDWR)
 
 
-def plant(kind: str, step: int, uid: int, training: train_ddp.Training, current: int) -> None:
-    if uid != UID or step != current:
+def plant(kind: str, step: int, uid: int, training: train_ddp.Training) -> None:
+    if uid != UID:
         return
     if kind == "kill":
         die()
@@ -93,9 +94,9 @@ def main() -> None:
     planted: set[int] = set()  # each fault once: a step replayed after a recovery does not plant it again
     for step in ft.steps(args.steps):
         for index, (kind, at, uid) in enumerate(FAULTS):
-            if index not in planted and int(at) == step:
+            if index not in planted and (int(at) == step or kind == "recovery"):
                 planted.add(index)
-                plant(kind, int(at), int(uid), training, step)
+                plant(kind, int(at), int(uid), training)
         loss = EXAMPLE.train_step(ft, training, step)
         if loss is not None:
             print(f"commit uid={UID} rank={ft.rank} world={ft.world_size} step={step} loss={loss:.12g}", flush=True)
