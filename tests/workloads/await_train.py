@@ -1,7 +1,6 @@
 """faulty_train.py with waits on the run's event log, so joiner tests do not depend on timing luck.
 
-FAULTS is read as in faulty_train.py, but faults fire only in attempt 0 (TORCHELASTIC_RESTART_COUNT=0),
-so a group restart runs clean. AWAIT (environment) is a comma list of WHEN:WHAT; a worker waits until
+FAULTS is read and planted as in faulty_train.py (in attempt 0 only, so a group restart runs clean). AWAIT (environment) is a comma list of WHEN:WHAT; a worker waits until
 the run's event log (FTRUN_RUN_DIR/events.jsonl) holds an event WHAT (an event name, or `joined`: a
 "generation" event with joiners; `NAME*N`: at least N events NAME):
   WHEN = STEP    every member waits before step STEP (before that step's planted fault), once
@@ -24,8 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import faulty_train  # noqa: E402
 from faulty_train import EXAMPLE, UID, ftrun  # noqa: E402
 
-ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-FAULTS = faulty_train.FAULTS if ATTEMPT == 0 else []
 AWAIT = [tuple(a.split(":", 1)) for a in os.environ.get("AWAIT", "").split(",") if a]
 EVENTS = Path(os.environ.get("FTRUN_RUN_DIR", ".")) / "events.jsonl"
 
@@ -65,13 +62,13 @@ def main() -> None:
             if when == "joiner":
                 wait_for(what)
     waited: set[int] = set()
+    planted: set[int] = set()
     for step in ft.steps(args.steps):
         for when, what in AWAIT:
             if when.isdigit() and int(when) == step and step not in waited:
                 waited.add(step)
                 wait_for(what)
-        for kind, at, uid in FAULTS:
-            faulty_train.plant(kind, int(at), int(uid), training, step)
+        faulty_train.plant_due(step, planted, training)
         loss = EXAMPLE.train_step(ft, training, step)
         if loss is not None:
             print(f"commit uid={UID} rank={ft.rank} world={ft.world_size} step={step} loss={loss:.12g}", flush=True)

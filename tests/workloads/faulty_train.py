@@ -87,16 +87,22 @@ def plant(kind: str, step: int, uid: int, training: train_ddp.Training) -> None:
             self, at, *rest)
 
 
+def plant_due(step: int, planted: set[int], training: train_ddp.Training) -> None:
+    """Plant the faults due at ``step`` that ``planted`` (their indices in FAULTS) does not hold yet, and add
+    them to it: each fault once, so a step replayed after a recovery does not plant it again."""
+    for index, (kind, at, uid) in enumerate(FAULTS):
+        if index not in planted and (int(at) == step or kind == "recovery"):
+            planted.add(index)
+            plant(kind, int(at), int(uid), training)
+
+
 def main() -> None:
     args = EXAMPLE.parse_args()
     ft = ftrun.init()
     training = build(args, ft)
-    planted: set[int] = set()  # each fault once: a step replayed after a recovery does not plant it again
+    planted: set[int] = set()
     for step in ft.steps(args.steps):
-        for index, (kind, at, uid) in enumerate(FAULTS):
-            if index not in planted and (int(at) == step or kind == "recovery"):
-                planted.add(index)
-                plant(kind, int(at), int(uid), training)
+        plant_due(step, planted, training)
         loss = EXAMPLE.train_step(ft, training, step)
         if loss is not None:
             print(f"commit uid={UID} rank={ft.rank} world={ft.world_size} step={step} loss={loss:.12g}", flush=True)
