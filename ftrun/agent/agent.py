@@ -47,6 +47,7 @@ from ftrun.store.host import StoreHost
 from ftrun.store.job import JobStore
 from ftrun.store.leases import LeaseKeeper, NodeLeases, fence_margin
 from ftrun.store.mailbox import MailReader, Outbox
+from ftrun.store.wire import StoreClient
 from ftrun.tally import run_summary
 
 STORE_TIMEOUT = 300.0
@@ -231,8 +232,16 @@ class Agent:
 
     def _connect(self, timeout: float = STORE_TIMEOUT) -> JobStore:
         """A new client connection to the job's store."""
-        host = self.store_host.client_host if self.store_host is not None else self.config.store.host
-        return JobStore(open_client(host, self.config.store.port, timeout), self.seal)
+        return JobStore(open_client(self._store_host(), self.config.store.port, timeout), self.seal)
+
+    def _connect_reader(self) -> JobStore:
+        """A connection for the mailbox reader: torch-free, so its waits on the bell can be interrupted at stop
+        and time out without a log line."""
+        return JobStore(StoreClient(self._store_host(), self.config.store.port, STORE_TIMEOUT), self.seal)
+
+    def _store_host(self) -> str:
+        """Where this agent reaches the job's store."""
+        return self.store_host.client_host if self.store_host is not None else self.config.store.host
 
     def _open_store(self, mail_w: int) -> JobStore:
         """Serve the store (or connect to it), and start this node's mailbox reader and lease."""
@@ -256,7 +265,7 @@ class Agent:
         senders = [keys.node_box(n) for n in range(1, config.min_nodes)] if self.leader else [keys.LEADER_BOX]
         if self.leader and config.under_launcher:
             senders.append(keys.LAUNCHER)
-        self.mail = MailReader(self._connect, keys.node_box(config.node_rank), mail_w, protocol.mail_problem,
+        self.mail = MailReader(self._connect_reader, keys.node_box(config.node_rank), mail_w, protocol.mail_problem,
                                tuple(senders))
         self.outbox = Outbox(store, keys.node_box(config.node_rank))
         self.mail.start()

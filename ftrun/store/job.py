@@ -91,11 +91,29 @@ class JobStore:
         """
         index = self.kv.add(keys.mail_count(box), 1)
         self._set(keys.mail_item(box, index), message)
+        self.ring(box)
         return index
 
     def send(self, box: str, sender: str, index: int, message: dict[str, Any]) -> None:
         """Write ``sender``'s ``index``-th message to ``box`` (agents number their own: see ``Outbox``)."""
         self._set(keys.sent_item(box, sender, index), message)
+        self.ring(box)
+
+    def ring(self, box: str) -> None:
+        """Wake ``box``'s reader: set its bell, after the message (the reader deletes the bell before it looks,
+        so a message written before a ring it consumed is always seen). Only the bell's presence counts: a
+        value anyone writes there wakes the reader, nothing more."""
+        self.kv.set(keys.bell(box), b"")
+
+    def await_ring(self, box: str, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for ``box``'s bell and take it (delete it); whether it rang. A store that
+        stopped answering looks like silence here and raises at the caller's next call."""
+        try:
+            self.kv.wait([keys.bell(box)], timedelta(seconds=timeout))
+        except RuntimeError:
+            return False
+        self.kv.delete_key(keys.bell(box))
+        return True
 
     def has_mail(self, key: str) -> bool:
         """Whether something is stored at the mailbox key ``key``."""

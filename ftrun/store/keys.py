@@ -14,6 +14,7 @@ Every value of ftrun's own (sealed: an HMAC of key and value under the run's sec
 ``ftrun/mail/<box>/n``                counter of the commands posted to mailbox ``<box>`` (by any client)
 ``ftrun/mail/<box>/<i>``              sealed: command ``i`` (1-based); deleted once read
 ``ftrun/mail/<box>/<sender>/<i>``     sealed: message ``i`` (1-based) agent ``<sender>`` sent; deleted once read
+``ftrun/bell/<box>``                  set (any value) after each message to ``<box>``; its reader waits on it
 ``ftrun/reply/<token>``               sealed: the answer to a command that carried ``reply_to = token``
 ``ftrun/lease/<n>``                   sealed: how often node ``n``'s agent renewed its lease
 ``ftrun/evicted/<n>``                 sealed: set by the leader once it declared node ``n`` lost
@@ -51,6 +52,11 @@ LEADER_BOX = node_box(0)
 """Followers and the hostfile launcher write to node 0's mailbox: node 0's agent is the leader."""
 LAUNCHER = "launcher"
 """The hostfile launcher's name as a sender of messages (agents send as their own box's name)."""
+
+
+def bell(box: str) -> str:
+    """Set by every writer to ``box`` after its message: the box's reader blocks on it instead of polling."""
+    return f"ftrun/bell/{box}"
 
 
 def mail_count(box: str) -> str:

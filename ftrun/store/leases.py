@@ -91,7 +91,7 @@ class NodeLeases:
         """Nodes whose lease expired since the last call, with how many seconds ago each renewed last."""
         if now < self.next_check:
             return []
-        self.next_check = now + min(0.5, self.timeout / RENEWALS_PER_TIMEOUT)
+        self.next_check = now + self.timeout / RENEWALS_PER_TIMEOUT  # one look per renewal period
         lost = []
         for node, (count, when) in list(self.seen.items()):
             current = self.store.lease_renewals(node)

@@ -8,6 +8,10 @@ An agent's mailbox has one reader and two kinds of writers, each in its own lane
 - clients (``ftrun inject``) post commands through the box's counter (``JobStore.post``: ``add`` takes
   the next index, ``set`` writes the command there).
 
+Every writer rings the box's bell after its message, and the reader blocks on the bell between looks (a
+store wait, served by the store's own event loop): a message is seen within a round trip, and an idle
+reader makes about one store request per :data:`IDLE_WAIT` seconds per lane.
+
 Anyone who reaches the store can write to any key, before or after the writer it belongs to. So a value
 that is not a sealed message (or not a valid one) never moves the reader on by itself: it is counted in
 :attr:`MailReader.dropped`, and the reader waits for the writer of that index to overwrite it. An index is
@@ -29,12 +33,12 @@ from typing import Any
 from ftrun.store import keys
 from ftrun.store.job import JobStore, MalformedValue
 
-POLL_INTERVAL = 0.01
-"""Seconds between two looks for a mailbox's next messages: a store round trip per lane each, cheap."""
+IDLE_WAIT = 10.0
+"""Seconds a reader waits on its box's bell (:meth:`JobStore.ring`) before it looks at its lanes anyway, in
+case a writer's message got through and its ring did not: an idle reader costs the store one blocking wait
+and a look per lane this often, instead of polling."""
 RECONNECT_INTERVAL = 1.0
 """Seconds between two attempts to reach a store that stopped answering."""
-RECHECK_INTERVAL = 0.05
-"""Seconds between two looks past an index that holds no valid message yet."""
 STOP_WAIT = 5.0
 """Seconds :meth:`MailReader.stop` waits for the thread (its store calls return in milliseconds)."""
 OVERWRITE_GRACE = 5.0
@@ -70,11 +74,9 @@ class _Lane:
     refused: int = 0  # the last index whose value was refused (and counted)
     passed_since: float | None = None  # when the writers were first seen past ``index``...
     passed_upto: int = 0  # ... and every index up to this one
-    next_look: float = 0.0  # when to look past ``index`` again
 
     def advance(self) -> None:
         self.index += 1
-        self.next_look = 0.0
         if self.index > self.passed_upto:
             self.passed_since = None
 
@@ -82,7 +84,9 @@ class _Lane:
 class MailReader:
     """Reads one box, its commands and the messages of the agents in ``senders``, for an event loop.
 
-    It uses a store connection of its own (so the loop's calls never queue behind it), writes a byte to
+    It uses a store connection of its own (so the loop's calls never queue behind it; one that can be
+    interrupted, such as :class:`~ftrun.store.wire.StoreClient`, lets :meth:`stop` end its wait at once;
+    torch's client logs each wait that times out), writes a byte to
     ``wake_fd`` so the loop can select on it, and :meth:`take` returns what arrived. A value that is not a
     sealed JSON object, or that ``validate`` refuses, is dropped and counted in :attr:`dropped`, never handed
     on. The reader only reads, checks and deletes keys: no value anyone writes can break its connection.
@@ -101,6 +105,7 @@ class MailReader:
         self._lanes += [_Lane(lambda i, sender=sender: keys.sent_item(box, sender, i), self._next_is_valid)
                         for sender in senders]
         self._queue: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+        self._store: JobStore | None = None  # the connection in use, for stop() to interrupt
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"ftrun-mail-{box}", daemon=True)
 
@@ -113,6 +118,10 @@ class MailReader:
         torch's store client when the interpreter exits aborts the process (``terminate called without an
         active exception``). Messages not yet read stay in the store."""
         self._stop.set()
+        store = self._store
+        interrupt = getattr(store.kv, "interrupt", None) if store is not None else None
+        if interrupt is not None:
+            interrupt()
         if self._thread.is_alive():
             self._thread.join(STOP_WAIT)
 
@@ -128,14 +137,19 @@ class MailReader:
         while not self._stop.wait(retry):
             try:
                 retry = RECONNECT_INTERVAL
-                store = self._connect()
+                store = self._store = self._connect()
                 retry = 0.0
                 while not self._stop.is_set():
                     now = time.monotonic()
                     if not any([self._pump(store, lane, now) for lane in self._lanes]):  # every lane, each pass
-                        self._stop.wait(POLL_INTERVAL)  # check, not wait: a store wait that times out logs
-            except RuntimeError:  # the store went away: connect again
+                        store.await_ring(self.box, self._quiet_for(now))
+            except RuntimeError:  # the store went away (or stop() interrupted it): connect again
                 continue
+
+    def _quiet_for(self, now: float) -> float:
+        """How long to wait for the bell: until the first lane's writers' grace ends, at most IDLE_WAIT."""
+        ends = [lane.passed_since + OVERWRITE_GRACE - now for lane in self._lanes if lane.passed_since is not None]
+        return max(0.0, min([IDLE_WAIT, *ends]))
 
     def _pump(self, store: JobStore, lane: _Lane, now: float) -> bool:
         """Hand on the message at ``lane``'s index, or give the index up; whether the lane moved on."""
@@ -155,10 +169,7 @@ class MailReader:
                 lane.refused = lane.index
                 self.dropped += 1
                 self.last_dropped = problem
-        if now < lane.next_look:
-            return False
-        lane.next_look = now + RECHECK_INTERVAL
-        if lane.passed_since is None:
+        if lane.passed_since is None:  # looked at each time the bell rings, or the reader's wait ends
             lane.passed_upto = lane.passed(store, lane)
             if lane.passed_upto >= lane.index:
                 lane.passed_since = now

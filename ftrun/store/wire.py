@@ -181,6 +181,16 @@ class StoreClient:
             self._sock.close()
             self._sock = None
 
+    def interrupt(self) -> None:
+        """End, from another thread, the call this connection is blocked in (it raises StoreError), and every
+        later one: the connection is shut down."""
+        sock = self._sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
     def __enter__(self) -> StoreClient:
         return self
 

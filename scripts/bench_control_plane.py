@@ -1,0 +1,167 @@
+"""The control plane at scale: N simulated agents against the job's embedded store (a real TCPStore).
+
+Each simulated follower runs what a follower's agent runs against the store, with no torch worker: its
+mailbox reader (ftrun.store.mailbox.MailReader, blocking on its box's bell) and its lease
+(ftrun.store.leases.LeaseKeeper). The simulated leader runs its own reader (one lane per follower), checks
+the followers' leases (NodeLeases) every ``--monitor-interval`` seconds as the agent's loop does, and sends
+plans. Every store call of every simulated agent goes through a counter. Per N it reports:
+
+* idle load: store requests per agent per second over ``--idle`` seconds with nothing to say;
+* plan delivery: the leader sends one message to every follower's box (as it relays a plan to each node),
+  ``--plans`` times; the latency from the start of each broadcast to the moment each follower's reader hands
+  the message on, p50 and p99 over all followers and plans.
+
+Leader failover has nothing to measure here: with the embedded store, node 0 hosts the store and leads, and
+its loss ends the job (README, "Across nodes").
+
+    python scripts/bench_control_plane.py --agents 16 64 256 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import selectors
+import statistics
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+from torch.distributed import TCPStore
+
+from ftrun.store import keys
+from ftrun.store.auth import Seal, new_secret
+from ftrun.store.job import JobStore
+from ftrun.store.leases import LeaseKeeper, NodeLeases
+from ftrun.store.mailbox import MailReader, Outbox
+from ftrun.store.wire import StoreClient
+
+
+class Counting:
+    """A store connection that counts every call made through it (into a shared, locked counter)."""
+
+    CALLS = ("set", "get", "add", "check", "wait", "delete_key")
+
+    def __init__(self, kv: StoreClient, counter: list[int], lock: threading.Lock) -> None:
+        self.kv, self.counter, self.lock = kv, counter, lock
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self.kv, name)
+        if name not in self.CALLS:
+            return attribute
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            with self.lock:
+                self.counter[0] += 1
+            return attribute(*args, **kwargs)
+
+        return counted
+
+
+class Plane:
+    """N simulated agents on one store: node 0 the leader, nodes 1..N-1 followers."""
+
+    def __init__(self, agents: int, node_timeout: float) -> None:
+        self.server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                               timeout=timedelta(seconds=60), use_libuv=True)
+        self.seal = Seal(new_secret())
+        self.requests, self.lock = [0], threading.Lock()
+        self.selector = selectors.DefaultSelector()
+        self.readers: list[MailReader] = []
+        self.pipes: list[tuple[int, int]] = []
+        self.leases: list[LeaseKeeper] = []
+        followers = range(1, agents)
+        for node in range(agents):
+            read_end, write_end = os.pipe()
+            os.set_blocking(write_end, False)
+            self.pipes.append((read_end, write_end))
+            senders = tuple(keys.node_box(n) for n in followers) if node == 0 else (keys.LEADER_BOX,)
+            reader = MailReader(self.connect, keys.node_box(node), write_end, senders=senders)
+            self.readers.append(reader)
+            self.selector.register(read_end, selectors.EVENT_READ, reader)
+        self.leases = [LeaseKeeper(self.connect, node, node_timeout) for node in followers]
+        self.leader = self.connect()
+        self.node_leases = NodeLeases(self.leader, list(followers), node_timeout, time.monotonic())
+        self.outbox = Outbox(self.leader, keys.LEADER_BOX)
+        for worker in [*self.readers, *self.leases]:
+            worker.start()
+
+    def connect(self) -> JobStore:
+        """A new counted, torch-free connection to the store."""
+        return JobStore(Counting(StoreClient("127.0.0.1", self.server.port, 30.0), self.requests, self.lock),
+                        self.seal)
+
+    def idle_load(self, seconds: float, monitor_interval: float) -> float:
+        """Store requests per agent per second while nothing happens but the leader's lease checks."""
+        with self.lock:
+            start = self.requests[0]
+        began = time.monotonic()
+        while time.monotonic() - began < seconds:
+            self.node_leases.expired(time.monotonic())
+            time.sleep(monitor_interval)
+        with self.lock:
+            made = self.requests[0] - start
+        return made / len(self.readers) / (time.monotonic() - began)
+
+    def broadcast(self, plan: int) -> list[float]:
+        """Send one message to every follower's box; each follower's delivery latency in seconds."""
+        followers = self.readers[1:]
+        started = time.monotonic()
+        for node in range(1, len(self.readers)):
+            self.outbox.send(keys.node_box(node), {"t": "plan", "gen": plan})
+        latencies: dict[int, float] = {}
+        deadline = started + 60
+        while len(latencies) < len(followers) and time.monotonic() < deadline:
+            for selected, _ in self.selector.select(timeout=1.0):
+                os.read(selected.fd, 4096)
+                reader: MailReader = selected.data
+                if any(m.get("gen") == plan for m in reader.take()) and reader is not self.readers[0]:
+                    latencies[id(reader)] = time.monotonic() - started
+        if len(latencies) < len(followers):
+            raise SystemExit(f"plan {plan}: {len(followers) - len(latencies)} followers got nothing in 60 s")
+        return list(latencies.values())
+
+    def close(self) -> None:
+        for worker in [*self.readers, *self.leases]:
+            worker.stop()
+        for read_end, write_end in self.pipes:
+            os.close(read_end)
+            os.close(write_end)
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    """The value below which ``fraction`` of ``values`` lie (nearest rank)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--agents", type=int, nargs="+", default=[16, 64, 256, 1024])
+    parser.add_argument("--idle", type=float, default=10.0, help="seconds of idle load measured per N")
+    parser.add_argument("--plans", type=int, default=5, help="broadcasts measured per N")
+    parser.add_argument("--node-timeout", type=float, default=10.0, help="as ftrun's --node-timeout (default 10)")
+    parser.add_argument("--monitor-interval", type=float, default=0.1, help="as ftrun's --monitor-interval")
+    args = parser.parse_args()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    print(f"embedded store (TCPStore), {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; "
+          f"--node-timeout {args.node_timeout:g}")
+    print(f"{'agents':>7} {'idle requests/agent/s':>22} {'plan p50 ms':>12} {'plan p99 ms':>12}")
+    for agents in args.agents:
+        plane = Plane(agents, args.node_timeout)
+        try:
+            plane.broadcast(0)  # every reader connected and waiting on its bell
+            idle = plane.idle_load(args.idle, args.monitor_interval)
+            latencies = [t for plan in range(1, args.plans + 1) for t in plane.broadcast(plan)]
+        finally:
+            plane.close()
+        print(f"{agents:>7} {idle:>22.2f} {1000 * statistics.median(latencies):>12.1f} "
+              f"{1000 * percentile(latencies, 0.99):>12.1f}", flush=True)
+    print(f"command: python scripts/bench_control_plane.py --agents {' '.join(map(str, args.agents))}")
+
+
+if __name__ == "__main__":
+    main()
