@@ -1,6 +1,7 @@
 """faulty_train.py with waits on the run's event log, so joiner tests do not depend on timing luck.
 
-FAULTS is read and planted as in faulty_train.py (in attempt 0 only, so a group restart runs clean). AWAIT (environment) is a comma list of WHEN:WHAT; a worker waits until
+FAULTS is read and planted as in faulty_train.py (in attempt 0 only, so a group restart runs clean).
+AWAIT (environment) is a comma list of WHEN:WHAT; a worker waits until
 the run's event log (FTRUN_RUN_DIR/events.jsonl) holds an event WHAT (an event name, or `joined`: a
 "generation" event with joiners; `NAME*N`: at least N events NAME):
   WHEN = STEP    every member waits before step STEP (before that step's planted fault), once

@@ -21,7 +21,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import ftrun  # noqa: E402
-from await_train import AWAIT, FAULTS, UID, wait_for  # noqa: E402
+from await_train import AWAIT, UID, wait_for  # noqa: E402
+from faulty_train import FAULTS  # noqa: E402
 
 
 def checksum(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
