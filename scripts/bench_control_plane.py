@@ -44,8 +44,8 @@ class Counting:
 
     CALLS = ("set", "get", "add", "check", "wait", "delete_key")
 
-    def __init__(self, kv: StoreClient, counter: list[int], lock: threading.Lock) -> None:
-        self.kv, self.counter, self.lock = kv, counter, lock
+    def __init__(self, kv: StoreClient, counter: list[int], lock: threading.Lock, by_call: dict[str, int]) -> None:
+        self.kv, self.counter, self.lock, self.by_call = kv, counter, lock, by_call
 
     def __getattr__(self, name: str) -> Any:
         attribute = getattr(self.kv, name)
@@ -55,6 +55,7 @@ class Counting:
         def counted(*args: Any, **kwargs: Any) -> Any:
             with self.lock:
                 self.counter[0] += 1
+                self.by_call[name] = self.by_call.get(name, 0) + 1
             return attribute(*args, **kwargs)
 
         return counted
@@ -68,6 +69,7 @@ class Plane:
                                timeout=timedelta(seconds=60), use_libuv=True)
         self.seal = Seal(new_secret())
         self.requests, self.lock = [0], threading.Lock()
+        self.by_call: dict[str, int] = {}
         self.selector = selectors.DefaultSelector()
         self.readers: list[MailReader] = []
         self.pipes: list[tuple[int, int]] = []
@@ -90,20 +92,24 @@ class Plane:
 
     def connect(self) -> JobStore:
         """A new counted, torch-free connection to the store."""
-        return JobStore(Counting(StoreClient("127.0.0.1", self.server.port, 30.0), self.requests, self.lock),
+        return JobStore(Counting(StoreClient("127.0.0.1", self.server.port, 30.0), self.requests, self.lock,
+                                 self.by_call),
                         self.seal)
 
-    def idle_load(self, seconds: float, monitor_interval: float) -> float:
-        """Store requests per agent per second while nothing happens but the leader's lease checks."""
+    def idle_load(self, seconds: float, monitor_interval: float) -> tuple[float, dict[str, float]]:
+        """Store requests per agent per second while nothing happens but the leader's lease checks, in all and
+        by kind of call."""
         with self.lock:
-            start = self.requests[0]
+            start, calls = self.requests[0], dict(self.by_call)
         began = time.monotonic()
         while time.monotonic() - began < seconds:
             self.node_leases.expired(time.monotonic())
             time.sleep(monitor_interval)
         with self.lock:
             made = self.requests[0] - start
-        return made / len(self.readers) / (time.monotonic() - began)
+            by_call = {name: count - calls.get(name, 0) for name, count in self.by_call.items()}
+        per_agent = len(self.readers) * (time.monotonic() - began)
+        return made / per_agent, {name: count / per_agent for name, count in by_call.items() if count}
 
     def broadcast(self, plan: int) -> list[float]:
         """Send one message to every follower's box; each follower's delivery latency in seconds."""
@@ -149,17 +155,18 @@ def main() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     print(f"embedded store (TCPStore), {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; "
           f"--node-timeout {args.node_timeout:g}")
-    print(f"{'agents':>7} {'idle requests/agent/s':>22} {'plan p50 ms':>12} {'plan p99 ms':>12}")
+    print(f"{'agents':>7} {'idle requests/agent/s':>22} {'plan p50 ms':>12} {'plan p99 ms':>12}  idle, by call")
     for agents in args.agents:
         plane = Plane(agents, args.node_timeout)
         try:
             plane.broadcast(0)  # every reader connected and waiting on its bell
-            idle = plane.idle_load(args.idle, args.monitor_interval)
+            idle, by_call = plane.idle_load(args.idle, args.monitor_interval)
             latencies = [t for plan in range(1, args.plans + 1) for t in plane.broadcast(plan)]
         finally:
             plane.close()
         print(f"{agents:>7} {idle:>22.2f} {1000 * statistics.median(latencies):>12.1f} "
-              f"{1000 * percentile(latencies, 0.99):>12.1f}", flush=True)
+              f"{1000 * percentile(latencies, 0.99):>12.1f}  "
+              + " ".join(f"{name} {rate:.2f}" for name, rate in sorted(by_call.items())), flush=True)
     print(f"command: python scripts/bench_control_plane.py --agents {' '.join(map(str, args.agents))}")
 
 

@@ -150,11 +150,10 @@ class JobStore:
             self._set(keys.reply(token), answer)
 
     # ------------------------------------------------------------ leases
-    def renew_lease(self, node_rank: int, renewals: int) -> bool:
-        """Record node ``node_rank``'s ``renewals``-th renewal of its lease; returns whether the leader has
-        evicted that node. The count only ever grows: an old lease value written again renews nothing."""
+    def renew_lease(self, node_rank: int, renewals: int) -> None:
+        """Record node ``node_rank``'s ``renewals``-th renewal of its lease. The count only ever grows: an old
+        lease value written again renews nothing."""
         self._set(keys.lease(node_rank), {"renewals": renewals})
-        return self.is_evicted(node_rank)
 
     def lease_renewals(self, node_rank: int) -> int | None:
         """How often node ``node_rank`` has renewed its lease; None before its first renewal (or when the

@@ -33,7 +33,7 @@ from typing import Any
 from ftrun.store import keys
 from ftrun.store.job import JobStore, MalformedValue
 
-IDLE_WAIT = 10.0
+IDLE_WAIT = 20.0
 """Seconds a reader waits on its box's bell (:meth:`JobStore.ring`) before it looks at its lanes anyway, in
 case a writer's message got through and its ring did not: an idle reader costs the store one blocking wait
 and a look per lane this often, instead of polling."""
