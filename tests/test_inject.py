@@ -44,6 +44,7 @@ class LiveJob:
         (events,) = log_dir.glob("*/events.jsonl")
         self.follower = EventFollower(events)
         self.events: list[dict] = []
+        self.awaited = 0  # events before this index were passed by await_event
         threading.Thread(target=self._read_stdout, daemon=True).start()
         threading.Thread(target=lambda: self.stderr.extend(proc.stderr), daemon=True).start()
 
@@ -63,13 +64,15 @@ class LiveJob:
                 yield stamp, int(match[4])
 
     def await_event(self, **fields) -> dict:
-        """The first event from now on whose fields have these values."""
+        """The first event after the one the last call returned whose fields have these values. Every event
+        read is kept, the ones read with it but after it too: the next call starts from them."""
         deadline = time.monotonic() + DEADLINE
         while time.monotonic() < deadline:
-            for event in self.follower.new():
-                self.events.append(event)
-                if all(event.get(k) == v for k, v in fields.items()):
-                    return event
+            self.events += self.follower.new()
+            for index in range(self.awaited, len(self.events)):
+                if all(self.events[index].get(k) == v for k, v in fields.items()):
+                    self.awaited = index + 1
+                    return self.events[index]
             time.sleep(0.05)  # polling the file the agent appends to
         raise AssertionError(f"no event {fields} within {DEADLINE:.0f} s; events: {self.events}")
 
