@@ -100,6 +100,10 @@ def run(
                                            help="Seconds an in-place recovery may take before a group restart."),
     join_timeout: float = typer.Option(RecoveryConfig.join_timeout, "--join-timeout", rich_help_panel=RECOVERY_PANEL,
                                        help="Seconds to wait for joiners when below --min-nproc."),
+    refresh_every: Optional[int] = typer.Option(
+        None, "--refresh-every", metavar="K", rich_help_panel=RECOVERY_PANEL,
+        help="Sharded (FSDP2) state: copy each rank's shards to its buddy every K committed steps (0: never); "
+             "overrides the script's ft.protect(refresh_every=...)."),
     hang_timeout: Optional[float] = typer.Option(
         None, "--hang-timeout", rich_help_panel=HEALTH_PANEL,
         help="Seconds without progress before a rank is declared hung (default: adaptive, 10x the median step)."),
@@ -206,7 +210,7 @@ def run(
                      f"--event-log-handler {event_log_handler}": event_log_handler != "null"},
         recovery=RecoveryConfig(enabled=not no_recovery, respawn=respawn, spares=spares, min_nproc=min_nproc,
                                 recovery_timeout=recovery_timeout, join_timeout=join_timeout,
-                                hang_timeout=hang_timeout, xid_policy=xid_policy),
+                                hang_timeout=hang_timeout, xid_policy=xid_policy, refresh_every=refresh_every),
     )
     from ftrun.launcher.launch import launch
 

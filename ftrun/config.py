@@ -147,6 +147,7 @@ class RecoveryConfig:
     join_timeout: float = 60.0
     hang_timeout: float | None = None  # None: adaptive (see ftrun.health.hangs)
     xid_policy: str | None = None  # --xid-policy: a TOML or JSON file of Xid overrides
+    refresh_every: int | None = None  # --refresh-every: sharded state's copies, every K steps (None: the script's)
 
 
 @dataclass
@@ -363,6 +364,8 @@ def build_config(
         raise UsageError(f"--node-timeout {node_timeout:g} leaves a cut-off node {fence_margin(node_timeout):g} s to "
                          f"stop its workers before the others go on without it, too little for --monitor-interval "
                          f"{monitor_interval:g}: raise --node-timeout to {8 * monitor_interval:g} or more")
+    if recovery.refresh_every is not None and recovery.refresh_every < 0:
+        raise UsageError(f"--refresh-every {recovery.refresh_every}: give 0 (no copies) or a number of steps")
     world = sum(node_sizes) if node_sizes else nproc * max_nodes
     if not 1 <= recovery.min_nproc <= world:
         raise UsageError(f"--min-nproc {recovery.min_nproc} must be between 1 and the number of workers ({world})")

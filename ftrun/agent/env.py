@@ -68,6 +68,9 @@ def worker_env(
         FTRUN_RECOVERY="1" if config.recovery.enabled else "0",
         FTRUN_RECOVERY_DEADLINE=str(config.recovery.recovery_timeout + config.recovery.join_timeout),
     )
+    env.pop("FTRUN_REFRESH_EVERY", None)
+    if config.recovery.refresh_every is not None:
+        env["FTRUN_REFRESH_EVERY"] = str(config.recovery.refresh_every)
     env.pop("FTRUN_RESCUE_FROM", None)
     if rescue_from is not None:
         env["FTRUN_RESCUE_FROM"] = str(rescue_from)

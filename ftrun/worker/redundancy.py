@@ -106,6 +106,16 @@ class Slot:
     skeleton: Any = None
 
 
+def refresh_interval(script: int, launcher: str | None) -> int:
+    """Every how many committed steps the copies are refreshed: ftrun's ``--refresh-every`` (FTRUN_REFRESH_EVERY,
+    ``launcher``) when it was given, else the script's ``refresh_every``."""
+    if launcher is None:
+        return script
+    if not launcher.isdigit():
+        raise ValueError(f"ftrun: FTRUN_REFRESH_EVERY={launcher[:20]!r} is not a number of steps")
+    return int(launcher)
+
+
 class Redundancy:
     """The protected sharded state of this rank, its snapshots and its buddy's copy; refresh and recovery.
 

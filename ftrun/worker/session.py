@@ -30,7 +30,7 @@ from ftrun.worker.injected import WorkerDrills
 from ftrun.worker.links import LinkFailure
 from ftrun.worker.interruptible import Superseded
 from ftrun.worker.planes import Planes
-from ftrun.worker.redundancy import Rebuild, Redundancy, is_sharded
+from ftrun.worker.redundancy import Rebuild, Redundancy, is_sharded, refresh_interval
 from ftrun.worker.shards import Choice, Holding, choose
 from ftrun.worker.steps import CollectiveFailed, StepCollectives
 from ftrun.worker.state import Stateful, best_rescue, load_into, save_rescue, snapshot
@@ -123,7 +123,7 @@ class Session:
 
         Sharded state (an FSDP2 ``fully_shard`` model and its optimizer: DTensors) is kept redundant
         instead: each rank's shards are copied into a peer's host memory after every ``refresh_every``-th
-        committed step (0: never), and recovered from there. It needs ``rebuild``: a function that builds the same
+        committed step (0: never; ftrun's ``--refresh-every`` overrides it), and recovered from there. It needs ``rebuild``: a function that builds the same
         objects anew over the current world (``fully_shard`` over the default group, a new optimizer)
         and returns them by the names given here; after a recovery :attr:`protected` holds them.
         """
@@ -134,7 +134,8 @@ class Session:
             raise ValueError("ftrun: protect() of sharded (FSDP2) state needs rebuild=, a function that builds "
                              "the same objects over the current world (README, 'Sharded models')")
         if self.managed:
-            self.redundancy = Redundancy(self.protected, rebuild, refresh_every, self.collectives.issue)
+            every = refresh_interval(refresh_every, os.environ.get("FTRUN_REFRESH_EVERY"))
+            self.redundancy = Redundancy(self.protected, rebuild, every, self.collectives.issue)
 
     @contextmanager
     def guard(self) -> Iterator[None]:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from ftrun.agent.env import worker_env
 from ftrun.config import Endpoint, LaunchConfig, RecoveryConfig
 from ftrun.errors import UsageError
 from ftrun.health.signals import Action
@@ -24,7 +25,8 @@ def launcher_config() -> LaunchConfig:
         script_args=["--lr", "0.1"], nproc_per_node=4, min_nodes=2, max_nodes=2, store=Endpoint("node0", 0),
         master_addr="node0", run_id="job7", rdzv_backend="c10d", monitor_interval=0.2, log_dir=Path("/logs"),
         redirects={0: 3, 1: 2}, tee={3: 1}, local_ranks_filter={0, 2}, signals_to_handle=[signal.SIGTERM],
-        recovery=RecoveryConfig(respawn=True, spares=1, min_nproc=2, recovery_timeout=12.5, hang_timeout=40.0),
+        recovery=RecoveryConfig(respawn=True, spares=1, min_nproc=2, recovery_timeout=12.5, hang_timeout=40.0,
+                                refresh_every=3),
         node_sizes=(4, 2), hosts=[Host("node0", 4), Host("node1", 2)], node_timeout=7.0,
         xid_table={13: (Action.EVICT_GPU, "graphics engine exception"), 79: (Action.EVICT_NODE, "fallen off")},
         resume_from=Path("/runs/job6_0123abcd"))
@@ -42,6 +44,8 @@ def test_each_agent_gets_the_launchers_configuration_with_its_own_part_filled_in
                                                                                   "node1", "job7_abcd1234")
     assert agent.hosts is None and not agent.host_store and agent.under_launcher and agent.multinode
     assert agent.xid_table[13] == (Action.EVICT_GPU, "graphics engine exception")
+    env = worker_env(agent, rank=4, local_rank=0, uid=4, restart_count=0, store_port=29511, run_dir="/runs/r")
+    assert env["FTRUN_REFRESH_EVERY"] == "3"  # --refresh-every reaches every worker of every host
 
 
 @pytest.mark.parametrize("line, message", [

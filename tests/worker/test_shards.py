@@ -141,3 +141,11 @@ def test_only_fsdp2s_one_dimensional_dim_0_sharding_is_accepted(world_of_one):
         assert reason.startswith("ftrun: sharded state must be FSDP2") and "\n" not in reason
     assert "2-D device mesh" in hsdp and "Shard(dim=1)" in tensor_parallel
     assert "a mesh of 1 of the 2 ranks" in redundancy.refusal(distribute_tensor(torch.ones(2), flat, [Shard(0)]), 2)
+
+
+def test_ftruns_refresh_every_overrides_the_scripts_and_a_bad_value_is_one_line():
+    refresh_interval = redundancy.refresh_interval
+    assert refresh_interval(1, None) == 1 and refresh_interval(5, None) == 5  # no flag: the script's
+    assert refresh_interval(1, "10") == 10 and refresh_interval(5, "0") == 0  # the flag wins
+    with pytest.raises(ValueError, match="FTRUN_REFRESH_EVERY='-3' is not a number of steps"):
+        refresh_interval(1, "-3")
