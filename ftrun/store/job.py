@@ -155,11 +155,17 @@ class JobStore:
         lease value written again renews nothing."""
         self._set(keys.lease(node_rank), {"renewals": renewals})
 
-    def lease_renewals(self, node_rank: int) -> int | None:
-        """How often node ``node_rank`` has renewed its lease; None before its first renewal (or when the
-        value there is not its agent's)."""
+    def lease_renewals(self, nodes: list[int]) -> dict[int, int | None]:
+        """How often each of ``nodes`` has renewed its lease; None before its first renewal (or when the value
+        there is not its agent's). Once every node has renewed, one request per node and one for them all."""
+        every_lease = bool(nodes) and self.kv.check([keys.lease(node) for node in nodes])
+        return {node: self._renewals(node, every_lease) for node in nodes}
+
+    def _renewals(self, node_rank: int, there: bool) -> int | None:
+        """Node ``node_rank``'s renewal count; ``there``: its lease key is known to exist."""
+        key = keys.lease(node_rank)
         try:
-            lease = self._get_if_there(keys.lease(node_rank))
+            lease = self._get(key) if there else self._get_if_there(key)
         except MalformedValue:
             return None
         renewals = lease.get("renewals") if lease is not None else None

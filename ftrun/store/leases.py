@@ -99,8 +99,9 @@ class NodeLeases:
             return []
         self.next_check = now + self.timeout / RENEWALS_PER_TIMEOUT  # one look per renewal period
         lost = []
+        renewals = self.store.lease_renewals(list(self.seen))
         for node, (count, when) in list(self.seen.items()):
-            current = self.store.lease_renewals(node)
+            current = renewals[node]
             if current is not None and current > count:
                 self.seen[node] = (current, now)
             elif now - when > self.timeout:
