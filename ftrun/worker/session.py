@@ -217,7 +217,7 @@ class Session:
             self.redundancy.refresh(self.committed_step, self.planes.control)
 
     def _loss_group(self, loss: torch.Tensor) -> dist.ProcessGroup:
-        """Where a loss no gradient bucket carried is summed: the data plane if it takes its device."""
+        """Where the step's loss is summed: the data plane if it takes the loss's device, else the control plane."""
         if self.planes is None or loss.device.type in backends.served(self.backend):
             return dist.group.WORLD
         return self.planes.control
