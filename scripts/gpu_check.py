@@ -5,8 +5,8 @@ Run by scripts/gpu_check.sh on a machine with a GPU. World size 1 (NCCL allows o
 1. the planes: generation 0 formed through ftrun's ``Planes`` (NCCL data group with eager init, Gloo control
    group), a collective on each, the abort of both, generation 1 formed, collectives again, the stale one
    released;
-2. the step path on CUDA tensors: stock DDP with ftrun's comm hook (1 MB buckets, the last one held back
-   and summed with the loss in ``finish``), against the gradients and loss of the same model without DDP;
+2. the step path on CUDA tensors: stock DDP with ftrun's comm hook (1 MB buckets) and the loss summed in
+   ``finish``, against the gradients and loss of the same model without DDP;
 3. the transfer's manifest of a CUDA model and Adam state: which tensors travel on the data plane, the
    receiver's in-place targets on the GPU.
 
@@ -89,8 +89,8 @@ def check_step() -> None:
     for p, q in zip(model.parameters(), plain.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7), "gradients differ from a plain backward"
     assert abs(total[0] - float(loss)) <= 1e-5 * abs(float(loss)), (total[0], float(loss))
-    print(f"hook and commit on CUDA: gradients match a plain backward, loss {total[0]:.6g} summed with the "
-          f"last bucket", flush=True)
+    print(f"hook and commit on CUDA: gradients match a plain backward, loss {total[0]:.6g} summed on the data "
+          f"plane", flush=True)
 
 
 def check_manifest() -> None:
