@@ -132,6 +132,20 @@ def test_the_mail_reader_hands_on_commands_in_order_and_drops_what_is_not_a_vali
 
 
 @pytest.mark.fast
+def test_stop_ends_a_reader_blocked_on_its_bell_at_once(served):
+    """The reader waits on its bell for up to IDLE_WAIT (20 s); stop() interrupts that wait rather than
+    joining for STOP_WAIT (5 s) and leaving the thread behind."""
+    wake_r, wake_w = os.pipe()
+    reader = MailReader(lambda: served(wire=True), "node5", wake_w)
+    reader.start()
+    until(lambda: reader._store is not None)
+    reader.stop()
+    assert not reader._thread.is_alive()
+    os.close(wake_r)
+    os.close(wake_w)
+
+
+@pytest.mark.fast
 def test_junk_written_ahead_of_an_agent_does_not_cost_its_messages(served, reading):
     """Junk at the index an agent will send next is not read as its message and does not move the reader on:
     the agent's message replaces it and is handed on. A message sealed for another index is junk too."""
