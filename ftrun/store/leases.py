@@ -1,11 +1,11 @@
 """Node leases: every follower renews one in the store; the leader declares a node lost when it stops.
 
 A renewal is a sealed count that only grows, so neither a forged value nor an old one written again renews a
-lease. A follower looks for its eviction every :data:`EVICTION_CHECK_EVERY` renewals (a store request each):
-an idle follower costs the store about 0.6 requests a second at ``--node-timeout 10``. The leader declares a node lost once it has seen no renewal for ``--node-timeout``; a follower that
+lease. The leader declares a node lost once it has seen no renewal for ``--node-timeout``; a follower that
 cannot renew for :data:`FENCE_FRACTION` of that stops its own workers (fences itself) first, so a node cut
 off from the store never trains on alone, and has stopped before the others carry on without it. One the
-leader evicted learns so at its next renewal.
+leader evicted learns so when it next looks for its eviction, every :data:`EVICTION_CHECK_EVERY` renewals (a
+store request each): an idle follower costs the store about 0.6 requests a second at ``--node-timeout 10``.
 """
 
 from __future__ import annotations

@@ -123,9 +123,10 @@ class Session:
 
         Sharded state (an FSDP2 ``fully_shard`` model and its optimizer: DTensors) is kept redundant
         instead: each rank's shards are copied into a peer's host memory after every ``refresh_every``-th
-        committed step (0: never; ftrun's ``--refresh-every`` overrides it), and recovered from there. It needs ``rebuild``: a function that builds the same
-        objects anew over the current world (``fully_shard`` over the default group, a new optimizer)
-        and returns them by the names given here; after a recovery :attr:`protected` holds them.
+        committed step (0: never; ftrun's ``--refresh-every`` overrides it), and recovered from there. It
+        needs ``rebuild``: a function that builds the same objects anew over the current world
+        (``fully_shard`` over the default group, a new optimizer) and returns them by the names given here;
+        after a recovery :attr:`protected` holds them.
         """
         self.protected.update(objects)
         if not any(is_sharded(t) for obj in objects.values() for _, t in transfer.leaves(obj.state_dict())):

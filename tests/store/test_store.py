@@ -99,7 +99,8 @@ def reading(served, monkeypatch):
     monkeypatch.setattr(mailbox, "OVERWRITE_GRACE", 0.2)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
-    reader = MailReader(lambda: served(wire=True), "node3", wake_w, lambda m: None if m.get("t") != "bad" else "a bad kind", ("node1",))
+    reader = MailReader(lambda: served(wire=True), "node3", wake_w,
+                        lambda m: None if m.get("t") != "bad" else "a bad kind", ("node1",))
 
     def receive(n: int) -> list[dict]:
         received: list[dict] = []

@@ -4,12 +4,12 @@ FAULTS (environment) is a comma list of KIND:STEP:UID, where UID is the worker's
 rank): kill (SIGKILL itself before the step), exception (raise in the step), allreduce (SIGKILL itself
 inside the gradient all-reduce: after the first bucket's all-reduce has started on every rank),
 recovery (SIGKILL itself while re-forming the group after the first fault; armed from the first step
-whatever STEP says, since the first fault's recovery may begin before this worker reaches STEP), reset (shut down every TCP
-connection between itself and one other worker, both alive: a link reset, no death), backward (SIGKILL itself
-in backward before the first layer's gradients: with FSDP, between the layers' reduce-scatters), refresh
-(SIGKILL itself in the copy of the state of committed step STEP to its buddy: sharded state only). Each fault
-is planted once, in the first attempt only, so a group restart runs clean. EXAMPLE (environment) names the
-example trained: train_ddp (the default) or train_fsdp.
+whatever STEP says, since the first fault's recovery may begin before this worker reaches STEP), reset
+(shut down every TCP connection between itself and one other worker, both alive: a link reset, no death),
+backward (SIGKILL itself in backward before the first layer's gradients: with FSDP, between the layers'
+reduce-scatters), refresh (SIGKILL itself in the copy of the state of committed step STEP to its buddy:
+sharded state only). Each fault is planted once, in the first attempt only, so a group restart runs clean.
+EXAMPLE (environment) names the example trained: train_ddp (the default) or train_fsdp.
 Every rank prints `commit uid=<uid> step=<n> loss=<float>` for each committed step.
 """
 
