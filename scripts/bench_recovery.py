@@ -64,7 +64,7 @@ TARGET_LATENCY, TARGET_SPEEDUP, TARGET_OVERHEAD, TARGET_OWN_LATENCY = 0.5, 20.0,
 def parse_args() -> argparse.Namespace:
     """The benchmark's flags."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--drills", type=int, default=3, help="Recovery drills per launcher (default 3).")
+    parser.add_argument("--drills", type=int, default=3, help="Recovery drills per launcher (default 3; 0: only the per-step cost).")
     parser.add_argument("--ckpt-every", type=int, default=20, help="torchrun checkpoint interval in steps (20).")
     parser.add_argument("--kill-at", type=int, default=30, help="Kill RANK 1 once this step is committed (30).")
     parser.add_argument("--overhead-steps", type=int, default=150, help="Steps per steady-state run (150).")
@@ -226,7 +226,28 @@ def print_drills(drills: list[Drill]) -> None:
 
 def print_summary(drills: list[Drill], overhead: dict[str, list[float]], hooks: dict[str, list[float]],
                   args: argparse.Namespace) -> None:
-    """Medians, ratios and the targets."""
+    """Medians, ratios and the targets (those of the drills only when drills ran)."""
+    targets = print_drill_summary(drills, args) if drills else []
+    plain = statistics.median(overhead[next(iter(OVERHEAD_CONFIGS))])
+    print(f"\n{'steady state, median step time, steps 10..' + str(args.overhead_steps - 1):55s} {'ms':>8s} "
+          f"{'vs plain DDP':>13s}")
+    for label, times in overhead.items():
+        median = statistics.median(times)
+        print(f"{label:55s} {median * 1000:8.2f} {median / plain:13.3f}")
+    for name, costs in hooks.items():
+        print(f"comm hook per bucket call, {name:7s}: median {statistics.median(costs):7.1f} us, "
+              f"90th percentile {statistics.quantiles(costs, n=10)[-1]:8.1f} us ({len(costs)} calls)")
+    overhead_ratio = statistics.median(overhead[list(OVERHEAD_CONFIGS)[-1]]) / plain - 1
+    targets.append((f"per-step overhead < {TARGET_OVERHEAD:.0%} vs plain DDP ({overhead_ratio:+.1%})",
+                    overhead_ratio < TARGET_OVERHEAD))
+    print("\ntargets:")
+    for label, ok in targets:
+        print(f"  {'PASS' if ok else 'FAIL'}  {label}")
+    print(f"\n{command_line()}")
+
+
+def print_drill_summary(drills: list[Drill], args: argparse.Namespace) -> list[tuple[str, bool]]:
+    """The drills' medians and ratios, and ftrun's own recovery phases; the drills' targets, met or not."""
     by = {name: [d for d in drills if d.launcher == name] for name in LAUNCHERS}
     latency = {name: statistics.median(d.latency for d in ds) for name, ds in by.items()}
     progress = {name: statistics.median(d.progress for d in ds) for name, ds in by.items()}
@@ -238,36 +259,20 @@ def print_summary(drills: list[Drill], overhead: dict[str, list[float]], hooks: 
         print(f"{label:40s} {values['torchrun']:10.3f} {values['ftrun']:10.3f} "
               f"{values['ftrun'] / values['torchrun']:15.4f}")
     print(f"{'steps recomputed':40s} {recomputed['torchrun']:10g} {recomputed['ftrun']:10g}")
-    plain = statistics.median(overhead[next(iter(OVERHEAD_CONFIGS))])
-    print(f"\n{'steady state, median step time, steps 10..' + str(args.overhead_steps - 1):55s} {'ms':>8s} "
-          f"{'vs plain DDP':>13s}")
-    for label, times in overhead.items():
-        median = statistics.median(times)
-        print(f"{label:55s} {median * 1000:8.2f} {median / plain:13.3f}")
     ft_drills = by["ftrun"]
     own = [d.event["latency"] for d in ft_drills if d.event]
     own_median = statistics.median(own) if own else float("nan")
     print(f"\nftrun's own recovery latency (its event: fault seen -> first committed step), median of {len(own)}: "
           f"{own_median * 1000:.1f} ms; phases of each (ms): " + "; ".join(
               " ".join(f"{k} {v * 1000:.0f}" for k, v in d.event["phases"].items()) for d in ft_drills if d.event))
-    for name, costs in hooks.items():
-        print(f"comm hook per bucket call, {name:7s}: median {statistics.median(costs):7.1f} us, "
-              f"90th percentile {statistics.quantiles(costs, n=10)[-1]:8.1f} us ({len(costs)} calls)")
     lost = [d.recomputed for d in ft_drills] + [d.event["steps_lost"] for d in ft_drills if d.event]
-    overhead_ratio = statistics.median(overhead[list(OVERHEAD_CONFIGS)[-1]]) / plain - 1
-    print("\ntargets:")
-    for label, ok in ((f"ftrun median recovery < {TARGET_LATENCY} s ({latency['ftrun']:.3f} s)",
-                       latency["ftrun"] < TARGET_LATENCY),
-                      (f"at least {TARGET_SPEEDUP:g}x faster than torchrun "
-                       f"({latency['torchrun'] / latency['ftrun']:.1f}x)",
-                       latency["torchrun"] / latency["ftrun"] >= TARGET_SPEEDUP),
-                      (f"ftrun's own median recovery <= {TARGET_OWN_LATENCY * 1000:.0f} ms "
-                       f"({own_median * 1000:.1f} ms)", own_median <= TARGET_OWN_LATENCY),
-                      (f"0 steps lost in every ftrun drill (output and events: {lost})", not any(lost)),
-                      (f"per-step overhead < {TARGET_OVERHEAD:.0%} vs plain DDP ({overhead_ratio:+.1%})",
-                       overhead_ratio < TARGET_OVERHEAD)):
-        print(f"  {'PASS' if ok else 'FAIL'}  {label}")
-    print(f"\n{command_line()}")
+    return [(f"ftrun median recovery < {TARGET_LATENCY} s ({latency['ftrun']:.3f} s)",
+             latency["ftrun"] < TARGET_LATENCY),
+            (f"at least {TARGET_SPEEDUP:g}x faster than torchrun ({latency['torchrun'] / latency['ftrun']:.1f}x)",
+             latency["torchrun"] / latency["ftrun"] >= TARGET_SPEEDUP),
+            (f"ftrun's own median recovery <= {TARGET_OWN_LATENCY * 1000:.0f} ms ({own_median * 1000:.1f} ms)",
+             own_median <= TARGET_OWN_LATENCY),
+            (f"0 steps lost in every ftrun drill (output and events: {lost})", not any(lost))]
 
 
 def main() -> None:
@@ -286,7 +291,8 @@ def main() -> None:
             overhead[label] += step_times(launcher, script, extra, args.overhead_steps, args.timeout)
             print(f"  steady state {number + 1}/{args.overhead_runs}: {label}", flush=True)
     hooks = hook_costs(args.hook_steps)
-    print_drills(drills)
+    if drills:
+        print_drills(drills)
     print_summary(drills, overhead, hooks, args)
 
 

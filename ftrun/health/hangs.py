@@ -51,7 +51,7 @@ class RankActivity:
     silent_for: float  # seconds since its last progress message
     timeout: float  # its current hang timeout
     in_collective: bool  # it started the collectives of a step it has not committed: it waits on peers
-    stopped: bool  # the process is stopped (SIGSTOP, a debugger)
+    stopped: bool  # the process is stopped (SIGSTOP, a debugger); only read for a rank past its timeout
 
 
 def hung_ranks(activity: Mapping[int, RankActivity]) -> tuple[list[int], bool]:
