@@ -68,6 +68,11 @@ UID_STRIDE = 100_000
 """Worker uids of node ``n`` are ``n * UID_STRIDE + i``: unique across nodes without a round trip."""
 
 
+def node_of(uid: int) -> int:
+    """The node rank that started worker ``uid``."""
+    return uid // UID_STRIDE
+
+
 def initial_members(sizes: list[int] | tuple[int, ...]) -> list[int]:
     """Generation 0 in rank order: node ``n``'s workers are uids ``n * UID_STRIDE + i``, ``i < sizes[n]``."""
     return [node * UID_STRIDE + i for node, size in enumerate(sizes) for i in range(size)]

@@ -19,11 +19,10 @@ from ftrun.agent.decisions import (Act, Decision, LinkTrouble, Membership, Recov
                                    decide_deadline, decide_fault, decide_join, decide_link_fault, lost_ranks,
                                    recovery_summary, rescue_outcome, split_lost, succeeded, waiting_for)
 from ftrun.agent.ports import GpuUse, LocalWorkers, Notices, WorkerControl, WorkerHandle
-from ftrun.agent.nodes import node_of
 from ftrun.agent.watchdog import HangWatchdog
 from ftrun.events import EventSink
 from ftrun.health.hangs import HangPolicy
-from ftrun.protocol import Plan
+from ftrun.protocol import Plan, node_of
 from ftrun.store.job import JobStore
 
 if TYPE_CHECKING:

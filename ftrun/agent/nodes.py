@@ -16,15 +16,10 @@ from ftrun.agent.failures import WorkerFailure
 from ftrun.agent.ports import LeaderInbox, Notices, WorkerControl, WorkerHandle
 from ftrun.agent.workers import WorkerSlot
 from ftrun.events import EventSink
-from ftrun.protocol import UID_STRIDE
+from ftrun.protocol import node_of
 from ftrun.store import keys
 from ftrun.store.leases import NodeLeases
 from ftrun.store.mailbox import Outbox
-
-
-def node_of(uid: int) -> int:
-    """The node rank that started worker ``uid``."""
-    return uid // UID_STRIDE
 
 
 class RemoteWorker:

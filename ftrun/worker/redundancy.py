@@ -2,8 +2,9 @@
 
 After every ``every``-th committed step each rank packs its local shards (model and optimizer: see
 :mod:`ftrun.worker.shards`) into one of its two own snapshot slots and sends that slot to its buddy,
-rank ``(r + 1) % world``, on the control plane, from a thread of its own; it receives its giver's (rank
-``r - 1``) into one of two buddy slots. A slot is written only while it is not the newest complete one,
+rank ``(r + s) % world``, on the control plane, from a thread of its own; it receives its giver's (rank
+``r - s``) into one of two buddy slots. The stride ``s`` puts the buddy on another node wherever the
+generation's nodes allow (:func:`~ftrun.worker.shards.buddy_stride`). A slot is written only while it is not the newest complete one,
 and marked with its step only once complete, so a fault during a refresh leaves the previous copy usable.
 
 At recovery the ranks of the new generation all-gather what they hold (:class:`~ftrun.worker.shards.Holding`),
@@ -119,11 +120,12 @@ def refresh_interval(script: int, launcher: str | None) -> int:
 class Redundancy:
     """The protected sharded state of this rank, its snapshots and its buddy's copy; refresh and recovery.
 
-    ``issue`` starts a control-plane operation unless the generation was abandoned (it raises then).
+    ``issue`` starts a control-plane operation unless the generation was abandoned (it raises then);
+    ``nodes`` is the node of each rank of the current generation.
     """
 
     def __init__(self, objects: dict[str, Stateful], rebuild: Rebuild, every: int,
-                 issue: Callable[[Callable[[], dist.Work]], dist.Work]) -> None:
+                 issue: Callable[[Callable[[], dist.Work]], dist.Work], nodes: list[int]) -> None:
         if every < 0:
             raise ValueError(f"ftrun: refresh_every must be 0 (no copies) or more, not {every}")
         self.objects = objects
@@ -133,6 +135,7 @@ class Redundancy:
         _, self.layout, _ = local_state(objects, dist.get_world_size())
         self.index, self.world = dist.get_rank(), dist.get_world_size()
         self.layout_gen = 0  # the generation whose re-sharding made the current layout
+        self.stride = shards.buddy_stride(nodes)  # the buddy is rank index + stride
         self.own: list[Slot] = []
         self.buddy: list[Slot] = []
         self._thread: threading.Thread | None = None
@@ -181,7 +184,7 @@ class Redundancy:
 
     def _exchange(self, step: int, own: Slot, buddy: Slot, control: dist.ProcessGroup) -> None:
         """On the refresh thread: send our snapshot to the buddy, receive the giver's; mark it complete."""
-        right, left = (self.index + 1) % self.world, (self.index - 1) % self.world
+        right, left = (self.index + self.stride) % self.world, (self.index - self.stride) % self.world
         try:
             works = [self._issue(lambda: control.recv([buddy.buffer], left, 0)),
                      self._issue(lambda: control.send([own.buffer], right, 0))]
@@ -194,7 +197,7 @@ class Redundancy:
     def _allocate(self, report: bool) -> None:
         """Two snapshot slots of this rank's shard, two buddy slots of the giver's; rank 0 says how large
         once the state is complete (the optimizer's state appears at its first step)."""
-        giver = (self.index - 1) % self.world
+        giver = (self.index - self.stride) % self.world
         self.own = [Slot(torch.empty(self.layout.nbytes(self.index, self.world), dtype=torch.uint8))
                     for _ in range(2)]
         self.buddy = [Slot(torch.empty(self.layout.nbytes(giver, self.world), dtype=torch.uint8))
@@ -210,11 +213,13 @@ class Redundancy:
         if joiner:
             return Holding(INVALID, -1, 0, (INVALID, INVALID), (INVALID, INVALID), -1)
         steps = lambda slots: tuple(s.step for s in slots) if slots else (INVALID, INVALID)  # noqa: E731
-        return Holding(committed, self.index, self.world, steps(self.own), steps(self.buddy), self.layout_gen)
+        return Holding(committed, self.index, self.world, steps(self.own), steps(self.buddy), self.layout_gen,
+                       self.stride)
 
-    def restore(self, choice: Choice, control: dist.ProcessGroup, gen: int) -> None:
+    def restore(self, choice: Choice, control: dist.ProcessGroup, gen: int, nodes: list[int]) -> None:
         """Move the chosen copies to the new shards over ``control``, rebuild the objects (in the protected
-        mapping, by name) and load them.
+        mapping, by name) and load them; the copies from now on go to buddies placed over ``nodes`` (the node
+        of each rank of generation ``gen``).
 
         Peak memory beyond the redundancy slots: this rank's new shard twice (received, then loaded).
         """
@@ -238,6 +243,7 @@ class Redundancy:
         self.objects.update(self.rebuild())
         self._load(layout, skeleton, received, rank, world)
         self.layout, self.index, self.world, self.layout_gen = layout, rank, world, gen
+        self.stride = shards.buddy_stride(nodes)
         self.own, self.buddy = [], []
 
     def _sources(self, choice: Choice, rank: int) -> dict[int, torch.Tensor]:

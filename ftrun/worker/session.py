@@ -22,7 +22,7 @@ import torch.distributed.nn  # noqa: F401 -- imported before any group exists, o
 from torch.nn.parallel import DistributedDataParallel
 
 from ftrun import protocol
-from ftrun.protocol import Plan, initial_members
+from ftrun.protocol import Plan, initial_members, node_of
 from ftrun.store.client import open_client
 from ftrun.worker import backends, transfer
 from ftrun.worker.channel import AgentChannel
@@ -62,6 +62,7 @@ class Session:
         self._swallowed: BaseException | None = None  # the last collective error guard() turned into a failed step
         self.committed_step = -1
         self.gen = 0
+        self.members: list[int] = []  # the uids of generation ``gen``, in rank order
         self._ddps: list[tuple[DistributedDataParallel, dict[str, Any]]] = []
         self._cond = threading.Condition()
         self._state_lock = threading.Lock()  # held while the state changes: a rescue never sees half of it
@@ -94,6 +95,7 @@ class Session:
             self.planes.start_alone()
         else:
             self.planes.form(first, lambda: False)
+            self.members = first.members
         self.channel.send(protocol.HELLO, uid=self.uid, pid=os.getpid(), spare=self.spare)
 
     # ------------------------------------------------------------ public API
@@ -136,7 +138,8 @@ class Session:
                              "the same objects over the current world (README, 'Sharded models')")
         if self.managed:
             every = refresh_interval(refresh_every, os.environ.get("FTRUN_REFRESH_EVERY"))
-            self.redundancy = Redundancy(self.protected, rebuild, every, self.collectives.issue)
+            self.redundancy = Redundancy(self.protected, rebuild, every, self.collectives.issue,
+                                         [node_of(uid) for uid in self.members])
 
     @contextmanager
     def guard(self) -> Iterator[None]:
@@ -330,7 +333,7 @@ class Session:
                     choice = self._agree_sharded(plan.gen, deadline)
                     t2 = time.time()
                     phase = "transfer"
-                    self._restore_sharded(choice, plan.gen)
+                    self._restore_sharded(choice, plan)
                     behind = [self.rank] if was_spare else []
                 else:
                     best, source, behind = self._agree(deadline)
@@ -351,7 +354,7 @@ class Session:
             with self._cond:
                 if self._latest.gen != plan.gen:
                     continue
-                self.gen = plan.gen
+                self.gen, self.members = plan.gen, plan.members
                 self.spare = False
             self._release_stale()
             timings = {"abort": round(t0 - received, 6), "rendezvous": round(t1 - t0, 6),
@@ -416,12 +419,12 @@ class Session:
             sys.exit(f"ftrun: {reason}; no group restart came within the recovery deadline")
         return choice
 
-    def _restore_sharded(self, choice: Choice, gen: int) -> None:
+    def _restore_sharded(self, choice: Choice, plan: Plan) -> None:
         """Move the chosen copies into the new shards, rebuild the objects over this world and load them;
         then copy the result to the buddies at once, so the new generation is redundant from its start."""
         with self._state_lock:
             self.committed_step = INVALID_STEP
-            self.redundancy.restore(choice, self.planes.control, gen)
+            self.redundancy.restore(choice, self.planes.control, plan.gen, [node_of(uid) for uid in plan.members])
             self.committed_step = choice.step
         if not self.redundancy.every:
             return  # no copies are kept (refresh_every 0)

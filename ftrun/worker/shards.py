@@ -6,7 +6,8 @@ local shard, packed into one flat byte buffer in a fixed leaf order (:class:`Lay
 rule over a 1-D mesh of all ranks: rank ``i`` of ``w`` holds rows ``[i*c, (i+1)*c)`` of ``n`` (clamped), with
 ``c = ceil(n / w)``. Plain tensor leaves (AdamW's ``step``) are the same on every rank and stored whole.
 
-Shard ``i`` of a world ``w`` is copied into the host memory of its buddy, rank ``(i + 1) % w``. After a
+Shard ``i`` of a world ``w`` is copied into the host memory of its buddy, rank ``(i + s) % w``, where the
+stride ``s`` (:func:`buddy_stride`) is the smallest that puts every rank's buddy on another node. After a
 fault :func:`choose` picks the newest step at which every shard is held somewhere (live, in its owner's
 snapshot, or in its buddy's copy) and :func:`moves` says which byte ranges go from which holder to which
 rank of the new generation, whatever its size.
@@ -15,6 +16,7 @@ rank of the new generation, whatever its size.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +93,17 @@ class Layout:
         return Layout(tuple(Leaf(tuple(p), d, tuple(s), bool(h)) for p, d, s, h in items))
 
 
+def buddy_stride(nodes: Sequence[int]) -> int:
+    """The stride ``s`` that puts the buddy of every rank ``r``, rank ``(r + s) % world``, on another node
+    than ``r`` (``nodes[r]`` is rank ``r``'s node): the smallest that does, so a node's loss never takes a
+    shard with its copy; 1 when none does (one node, or a node with more than half of the ranks)."""
+    world = len(nodes)
+    for stride in range(1, world):
+        if all(nodes[(rank + stride) % world] != nodes[rank] for rank in range(world)):
+            return stride
+    return 1
+
+
 # ------------------------------------------------------------------------------ holdings and choice
 @dataclass(frozen=True)
 class Holding:
@@ -98,7 +111,7 @@ class Holding:
 
     ``index``/``world``: its shard in the layout its state and copies are in (-1/0 for a joiner), which
     the generation ``layout_gen`` made; ``committed``: the step of its live state; ``own``: the steps of its
-    two snapshots; ``buddy``: the steps of its two copies of shard ``index - 1``'s state.
+    two snapshots; ``buddy``: the steps of its two copies of shard ``index - stride``'s state.
     """
 
     committed: int
@@ -107,15 +120,17 @@ class Holding:
     own: tuple[int, int]
     buddy: tuple[int, int]
     layout_gen: int = 0
+    stride: int = 1
 
     def to_list(self) -> list[int]:
-        """Eight integers, for an all-gather."""
-        return [self.committed, self.index, self.world, *self.own, *self.buddy, self.layout_gen]
+        """Nine integers, for an all-gather."""
+        return [self.committed, self.index, self.world, *self.own, *self.buddy, self.layout_gen, self.stride]
 
     @staticmethod
     def from_list(values: list[int]) -> Holding:
         """The inverse of :meth:`to_list`."""
-        return Holding(values[0], values[1], values[2], (values[3], values[4]), (values[5], values[6]), values[7])
+        return Holding(values[0], values[1], values[2], (values[3], values[4]), (values[5], values[6]), values[7],
+                       values[8])
 
 
 @dataclass(frozen=True)
@@ -154,9 +169,9 @@ def choose(holdings: list[Holding]) -> Choice | None:
     (a fault cut a recovery's re-sharding short on some ranks only).
     """
     survivors = [(rank, h) for rank, h in enumerate(holdings) if h.index >= 0]
-    if not survivors or len({(h.layout_gen, h.world) for _, h in survivors}) > 1:
+    if not survivors or len({(h.layout_gen, h.world, h.stride) for _, h in survivors}) > 1:
         return None
-    world = survivors[0][1].world
+    world, stride = survivors[0][1].world, survivors[0][1].stride
     by_index = {h.index: (rank, h) for rank, h in survivors}
     steps = {s for _, h in survivors for s in (h.committed, *h.own, *h.buddy) if s > INVALID}
     for step in sorted(steps, reverse=True):
@@ -167,7 +182,7 @@ def choose(holdings: list[Holding]) -> Choice | None:
             if found:
                 sources[index] = Source(owner[0], *found)
                 continue
-            buddy = by_index.get((index + 1) % world)
+            buddy = by_index.get((index + stride) % world)
             if buddy is None or step not in buddy[1].buddy:
                 break
             sources[index] = Source(buddy[0], BUDDY, buddy[1].buddy.index(step))

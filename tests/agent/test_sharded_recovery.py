@@ -2,7 +2,8 @@
 
 4 CPU workers on Gloo train examples/train_fsdp.py (an MLP, fully_shard per layer, AdamW) through
 tests/workloads/faulty_train.py. Each rank's shard lives in its own memory only; after each committed step
-a copy goes to rank (r + 1) % 4. The loss of rank 2's shard, or rank 0's, is made good from that copy.
+a copy goes to its buddy: on one node rank (r + 1) % 4, over two nodes of two rank (r + 2) % 4, on the other
+node. The loss of rank 2's shard, or rank 0's, or of both of node 1's, is made good from those copies.
 
 Loss parity tolerance: the same RTOL as the DDP tests (runs.py), for the same reason. Up to the fault the
 run is the fault-free one bit for bit; after it, 3 ranks reduce-scatter the float32 gradients in another
@@ -13,13 +14,17 @@ relative per step, through AdamW's normalised update. Observed: ~2e-8. A skipped
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
-from runs import NO_WATCHDOG, NPROC, PHASES, RTOL, STEPS, check_in_place
+from conftest import FTRUN
+from runs import NO_WATCHDOG, NPROC, PHASES, RTOL, STEPS, TIMEOUT, TRAINING, check_in_place, read_run
 
 FSDP = "train_fsdp"
 
 
+@pytest.mark.compat
 def test_sigkill_of_a_middle_rank_reshards_over_the_3_survivors(launch, fsdp_baseline):
     run = launch(faults="kill:5:2", example=FSDP)
     check_in_place(run, fsdp_baseline, lost={2: -9}, fault_step=5)
@@ -67,3 +72,32 @@ def test_kill_during_a_refresh_returns_to_the_previous_complete_copy_and_replays
                 assert c.loss == fsdp_baseline[c.step], f"{c}\n{why}"  # generation 0: bit for bit
             else:
                 assert c.loss == pytest.approx(fsdp_baseline[c.step], rel=RTOL), f"{c}\n{why}"
+
+
+def test_both_workers_of_a_node_killed_take_their_shards_from_the_other_nodes_memory(
+        launcher_env, workload, free_port, secret_file, tmp_path, fsdp_baseline):
+    # two nodes of two workers (scheduler mode, both on this machine): the buddies are on the other node
+    # (stride 2), so node 1's shards survive in node 0's memory when both its workers die at step 5; with
+    # the next rank as buddy, shard 2 and its only copy (rank 3) would be lost together
+    env = {**launcher_env, "FTRUN_SECRET_FILE": secret_file, "EXAMPLE": "train_fsdp",
+           "FAULTS": "kill:5:100000,kill:5:100001"}
+    common = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--nproc-per-node", "2"]
+    nodes = [subprocess.Popen([*FTRUN, *common, "--node-rank", str(node), "--log-dir", str(tmp_path / f"node{node}"),
+                               workload("faulty_train.py"), *TRAINING], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for node in (1, 0)]
+    (out1, err1), (out0, err0) = (node.communicate(timeout=TIMEOUT) for node in nodes)
+    leader = read_run(subprocess.CompletedProcess(nodes[1].args, nodes[1].returncode, out0, err0), tmp_path / "node0")
+    why = f"{leader.explain()}\n--- node 1\n{err1[-3000:]}"
+    assert (nodes[1].returncode, nodes[0].returncode) == (0, 0), why
+    assert not leader.of("recovery_failed") and not leader.of("group_failure"), why
+    (recovery,) = leader.of("recovery")
+    assert sorted(recovery["lost_uids"]) == [100000, 100001] and recovery["steps_lost"] == 0, why
+    assert (recovery["world_before"], recovery["world_after"], recovery["kind"]) == (4, 2, "fault"), why
+    exits = {e["uid"]: e["exitcode"] for e in leader.of("worker_exit")}
+    assert exits == {0: 0, 1: 0, 100000: -9, 100001: -9}, why  # node 1's died as planted; no survivor restarted
+    assert sorted(e["uid"] for e in leader.of("worker_start")) == [0, 1, 100000, 100001], why  # each started once
+    commits = leader.commits()
+    for uid in (0, 1):
+        assert [c.step for c in commits[uid]] == list(range(STEPS)), why  # every step once, none lost
+        assert all(c.loss == pytest.approx(fsdp_baseline[c.step], rel=RTOL) for c in commits[uid]), why
+    assert {c.world for c in commits[0] if c.step >= 5} == {2}, why

@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 from ftrun.worker import redundancy
-from ftrun.worker.shards import (BUDDY, INVALID, LIVE, OWN, Choice, Holding, Layout, Leaf, Source, choose, chunk_rows,
-                                 moves)
+from ftrun.worker.shards import (BUDDY, INVALID, LIVE, OWN, Choice, Holding, Layout, Leaf, Source, buddy_stride, choose,
+                                 chunk_rows, moves)
 
 pytestmark = pytest.mark.fast
 
@@ -28,11 +28,47 @@ def test_rows_follow_torch_chunk_as_fsdp2_and_dtensor_shard(rows, world):
         assert list(range(start, stop)) == expected
 
 
-def survivor(index: int, committed: int, own=(INVALID, INVALID), buddy=(INVALID, INVALID), world: int = 4) -> Holding:
-    return Holding(committed, index, world, own, buddy)
+def survivor(index: int, committed: int, own=(INVALID, INVALID), buddy=(INVALID, INVALID), world: int = 4,
+             stride: int = 1) -> Holding:
+    return Holding(committed, index, world, own, buddy, 0, stride)
+
+
+@pytest.mark.parametrize("nodes, stride", [
+    ([0, 0, 0, 0], 1),  # one node: the next rank
+    ([0, 0, 1, 1], 2),  # two nodes of two: the same local rank on the other node
+    ([0, 0, 0, 1, 1, 1], 3),
+    ([0, 1, 2, 3], 1),  # one rank per node: the next rank is on the next node
+    ([0, 0, 1, 1, 2, 2], 2),
+    ([0, 0, 1, 2], 2),  # uneven nodes: 0->2, 1->3, 2->0, 3->1, each on another node
+    ([0, 0, 0, 1], 1),  # a node with more than half of the ranks: no stride leaves it, the next rank it is
+    ([0], 1), ([], 1),
+])
+def test_the_buddy_stride_puts_every_copy_on_another_node_where_the_nodes_allow(nodes, stride):
+    assert buddy_stride(nodes) == stride
+    if stride > 1 or len(set(nodes)) == len(nodes) > 1:
+        assert all(nodes[(r + stride) % len(nodes)] != nodes[r] for r in range(len(nodes)))
+
+
+def test_a_lost_node_takes_its_shards_from_the_copies_on_the_other_node():
+    # two nodes of two, stride 2: node 1 (shards 2 and 3) is lost; shard 2's copy is on rank 0, shard 3's on 1
+    held = [survivor(0, 7, (6, 7), (6, 7), stride=2), survivor(1, 7, (6, 7), (7, 6), stride=2)]
+    choice = choose(held)
+    assert choice.step == 7 and choice.sources == {0: Source(0, LIVE), 1: Source(1, LIVE), 2: Source(0, BUDDY, 1),
+                                                   3: Source(1, BUDDY, 0)}
+    assert choose([survivor(0, 7, (6, 7), (6, 7)), survivor(1, 7, (6, 7), (6, 7))]) is None  # with stride 1
+
+
+def test_survivors_whose_copies_went_by_different_strides_are_not_mixed():
+    held = [survivor(0, 7, (6, 7), (6, 7), stride=2), survivor(1, 7, (6, 7), (6, 7)), survivor(2, 7, (6, 7), (6, 7))]
+    assert choose(held) is None
 
 
 JOINER = Holding(INVALID, -1, 0, (INVALID, INVALID), (INVALID, INVALID), -1)
+
+
+def test_a_holding_survives_the_trip_through_an_all_gather():
+    holding = Holding(7, 2, 4, (6, 7), (INVALID, 7), 3, 2)
+    assert Holding.from_list(holding.to_list()) == holding
 
 
 def test_every_shard_live_needs_no_copy():
