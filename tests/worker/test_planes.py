@@ -38,6 +38,7 @@ def test_a_data_group_of_cuda_only_rejects_cpu_tensors(free_port):
         dist.destroy_process_group()
 
 
+@pytest.mark.compat
 def test_recovery_with_a_data_group_that_rejects_cpu_tensors_uses_only_the_control_plane(run_ftrun, workload,
                                                                                          tmp_path):
     # uid 2 is killed before step 5, when the spare is ready: the spare takes its place and receives the
@@ -131,6 +132,7 @@ class Agent:
             sock.close()
 
 
+@pytest.mark.soak  # 20 generations: a repetition, left to the soak run for time
 def test_a_survivors_file_descriptors_and_threads_stay_flat_over_20_generations(workload, launcher_env, tmp_path):
     # Each cycle: uid 2 holds back before its step while uids 0 and 1 wait in the gradient all-reduce for
     # it; then a new generation of the same members arrives (a link fault: nobody lost). The stale groups,

@@ -14,6 +14,7 @@ import pytest
 import torch.distributed as dist
 
 
+@pytest.mark.compat
 @pytest.mark.skipif(not hasattr(dist, "_reconfigure"), reason="this torch has no in-place reconfigure")
 def test_gloo_reconfigure_leaves_collectives_of_a_dead_peer_blocking_the_group(workload, free_port):
     port = free_port()
