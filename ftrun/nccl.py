@@ -5,14 +5,17 @@ for CUDA 13 builds (container builds use the system's NCCL instead). Every one o
 same file, nvidia/nccl/lib/libnccl.so.2, so with two installed the one written last wins, whatever CUDA it was
 built for. ftrun says which NCCL torch has loaded, and warns about NCCL wheels for another CUDA.
 
-Nothing here imports torch: it reads the torch that the agent has loaded already (to serve the store).
+Nothing here imports torch: it reads the torch that the agent has loaded (to serve the store itself), or what
+the fork server, which imports torch for the workers, said of its torch.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ftrun.config import visible_gpu_count
 
@@ -30,24 +33,32 @@ class NcclFacts:
     packages: dict[str, str] = field(default_factory=dict)  # installed NCCL wheel -> its version
 
 
-def read_facts() -> NcclFacts | None:
-    """The facts, or None when torch is not loaded in this process or is not a CUDA build."""
+def read_facts(reported: dict[str, Any] | None = None) -> NcclFacts | None:
+    """The facts of the torch loaded in this process, else of the one the fork server ``reported`` (its version,
+    ``cuda`` and ``nccl``); None without either, or for a torch that is not a CUDA build."""
     torch = sys.modules.get("torch")
-    cuda = getattr(getattr(torch, "version", None), "cuda", None)
-    if torch is None or cuda is None:
-        return None
+    if torch is None:
+        return facts_of(reported["version"], reported["cuda"], reported["nccl"]) if reported else None
     try:
         version = torch.cuda.nccl.version()  # (major, minor, patch[, suffix]); reads the library, no CUDA call
     except (AttributeError, RuntimeError):  # a build without NCCL
         version = None
-    nccl = None if version is None else ".".join(str(part) for part in version[:3])
+    return facts_of(torch.__version__, getattr(getattr(torch, "version", None), "cuda", None), version)
+
+
+def facts_of(torch_version: str, cuda: str | None, nccl_version: Sequence[int] | None) -> NcclFacts | None:
+    """The facts of a torch of that version, CUDA (None: a CPU build) and NCCL version, with the NCCL wheels
+    installed here."""
+    if cuda is None:
+        return None
+    nccl = None if nccl_version is None else ".".join(str(part) for part in nccl_version[:3])
     packages = {}
     for name in NCCL_PACKAGES:
         try:
             packages[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             pass
-    return NcclFacts(torch.__version__, cuda, nccl, packages)
+    return NcclFacts(torch_version, cuda, nccl, packages)
 
 
 def nccl_notices(facts: NcclFacts | None, gpus: int) -> list[tuple[str, str]]:
@@ -65,7 +76,8 @@ def nccl_notices(facts: NcclFacts | None, gpus: int) -> list[tuple[str, str]]:
     return notices
 
 
-def startup_notices() -> list[tuple[str, str]]:
-    """The lines to print once torch is loaded: none without a CUDA build of torch, or without a GPU."""
-    facts = read_facts()
+def startup_notices(reported: dict[str, Any] | None = None) -> list[tuple[str, str]]:
+    """The lines to print once torch is loaded here or in the fork server (which ``reported`` on it): none
+    without a CUDA build of torch, or without a GPU."""
+    facts = read_facts(reported)
     return nccl_notices(facts, visible_gpu_count()) if facts is not None else []

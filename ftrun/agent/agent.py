@@ -25,6 +25,7 @@ from ftrun.agent.decisions import RecoveryOptions, rescue_source
 from ftrun.agent.drills import Drills
 from ftrun.agent.failures import AttemptResult, WorkerFailure, describe_failure, format_report
 from ftrun.agent.follower import Follower
+from ftrun.agent.forkserver import ForkRefused
 from ftrun.agent.gpu_health import GpuHealth
 from ftrun.agent.leader import Leader, LeaderSetup
 from ftrun.agent.nodes import RemoteNodes
@@ -42,9 +43,10 @@ from ftrun.nccl import startup_notices
 from ftrun.processes import SignalWake, signal_name
 from ftrun.store import keys
 from ftrun.store.auth import Seal, write_secret_file
-from ftrun.store.client import open_client, open_client_retrying
+from ftrun.store.client import open_client_retrying
 from ftrun.store.host import StoreHost
 from ftrun.store.job import JobStore
+from ftrun.store.kv import KeyValue
 from ftrun.store.leases import LeaseKeeper, NodeLeases, fence_margin
 from ftrun.store.mailbox import MailReader, Outbox
 from ftrun.store.wire import StoreClient
@@ -86,6 +88,7 @@ class Agent:
         self.result = AttemptResult()  # how the current attempt is going
         self.attempt_failure: str | None = None  # set by end_attempt: why the current attempt is being ended
         self.store: JobStore | None = None  # the agent's own store handle, once the store is served
+        self.store_lifeline: int | None = None  # the store's process (forked by the fork server) lives while this is open
         self.coordination: Coordination | None = None  # one per attempt, made before its event loop starts
         self.mail: MailReader | None = None
         self.outbox: Outbox | None = None  # this agent's messages to the other agents, numbered for the run
@@ -152,6 +155,8 @@ class Agent:
             for service in (self.mail, self.lease):
                 if service is not None:
                     service.stop()
+            if self.store_lifeline is not None:
+                os.close(self.store_lifeline)  # the store's process ends
             if self.registered is not None:
                 registry.unregister(self.registered)
             os.close(mail_r)
@@ -170,11 +175,10 @@ class Agent:
             return None
 
     def _run_attempts(self, mail_w: int) -> int:
-        if self.pool.start_fork_server():  # the agent imports torch for the store while the server imports it
-            self._serve_store(mail_w)
+        self.pool.start_fork_server()
         while True:
-            self._start_group()
-            if self.store is None:  # while the workers start (and import torch); registered once it answers
+            self._start_group()  # waits for the fork server: it serves the store too
+            if self.store is None:  # registered once it answers
                 self._serve_store(mail_w)
             pids = " ".join(str(w.pid) for w in self.pool.all())
             self.console.notice(f"ftrun: run {self.config.run_id}, attempt {self.restart_count}: "
@@ -227,12 +231,13 @@ class Agent:
     def _serve_store(self, mail_w: int) -> None:
         """Serve or reach the job's store, and say what start-up found (NCCL's version)."""
         self.store = self._open_store(mail_w)
-        for text, style in startup_notices():  # torch is loaded now (for the store): nothing imported for this
+        server = self.pool.fork_server  # torch is loaded, here or there: nothing is imported for this
+        for text, style in startup_notices(server.torch if server is not None else None):
             self.console.notice(text, style=style)
 
     def _connect(self, timeout: float = STORE_TIMEOUT) -> JobStore:
         """A new client connection to the job's store."""
-        return JobStore(open_client(self._store_host(), self.config.store.port, timeout), self.seal)
+        return JobStore(StoreClient(self._store_host(), self.config.store.port, timeout), self.seal)
 
     def _connect_reader(self) -> JobStore:
         """A connection for the mailbox reader: torch-free, so its waits on the bell can be interrupted at stop
@@ -243,11 +248,25 @@ class Agent:
         """Where this agent reaches the job's store."""
         return self.store_host.client_host if self.store_host is not None else self.config.store.host
 
+    def _serve_hosted(self) -> KeyValue:
+        """Serve the store this agent hosts from a process the fork server forks (torch is imported there, so
+        this process never imports it), else from this process; this agent's connection to it."""
+        host, server = self.store_host, self.pool.fork_server
+        if server is not None and server.ready():
+            try:
+                _, self.store_lifeline = server.fork_store(host.client_host, host.port, host.sock.fileno())
+            except ForkRefused as refused:
+                self.console.notice(f"ftrun: {refused}; ftrun serves the store itself", style="yellow")
+            else:
+                host.close()  # the store's process has the socket now
+                return StoreClient(host.client_host, host.port, STORE_TIMEOUT)
+        return host.start()
+
     def _open_store(self, mail_w: int) -> JobStore:
         """Serve the store (or connect to it), and start this node's mailbox reader and lease."""
         config = self.config
         if self.store_host is not None:
-            store = JobStore(self.store_host.start(), self.seal)
+            store = JobStore(self._serve_hosted(), self.seal)
         elif self.leader:
             store = self._connect()
         else:  # calls short enough that its loop, cut off, still fences itself before the leader evicts it

@@ -11,7 +11,8 @@ command line's sys.argv, sys.path[0] and ``__main__``, so the script sees a work
 The agent talks to the server over a SOCK_SEQPACKET socket: one JSON message per request or answer, the
 worker's descriptors passed along with a request and a pidfd of the forked child with its answer (SCM_RIGHTS). The server is the forked workers' parent and reaps them;
 it writes each one's wait status to a pipe the agent gave with the request, which the agent's event loop
-watches as it watches a spawned worker's pidfd.
+watches as it watches a spawned worker's pidfd. The server also forks the process that serves the job's store
+(:meth:`ForkServer.fork_store`), so that the agent never imports torch.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class ForkServer:
         ``log_path``. Returns at once: the server imports in the background."""
         self.events, self.node = sink, node
         self.state, self.reason = STARTING, None
+        self.torch: dict[str, Any] | None = None  # what the server's torch is: version, CUDA, NCCL (once ready)
         self.control, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         pipes = [os.pipe(), os.pipe()]
         for _, write_end in pipes:
@@ -110,7 +112,35 @@ class ForkServer:
         """Fork a worker with environment ``env`` (its channel's descriptor number set in ``channel_variable``)
         and the descriptors (stdout, stderr, channel, status pipe); its pid and a pidfd of it (the caller's to
         close). Raises :class:`ForkRefused`."""
-        request = json.dumps({"env": env, "cwd": os.getcwd(), "channel_variable": channel_variable}).encode()
+        return self._request({"env": env, "cwd": os.getcwd(), "channel_variable": channel_variable}, fds)
+
+    def fork_store(self, host: str, port: int, listen_fd: int) -> tuple[int, int]:
+        """Fork the process that serves the job's TCPStore on the listening socket ``listen_fd`` (``host:port``),
+        for as long as the agent lives: it ends when the write end of its lifeline pipe closes, which happens
+        when the agent exits, however it exits. Returns its pid and that write end (the caller's to close).
+        Raises :class:`ForkRefused`."""
+        lifeline, held = os.pipe()
+        try:
+            pid, pidfd = self._request({"store": {"host": host, "port": port}}, (listen_fd, lifeline))
+        except ForkRefused:
+            os.close(held)
+            raise
+        finally:
+            os.close(lifeline)
+        os.close(pidfd)
+        return pid, held
+
+    def close(self) -> None:
+        """Stop the server (its forked workers, if any are left, die with it) and collect it."""
+        self.control.close()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+    # ------------------------------------------------------------------ internals
+    def _request(self, payload: dict[str, Any], fds: tuple[int, ...]) -> tuple[int, int]:
+        """Send one fork request with its descriptors; the child's pid and a pidfd of it."""
+        request = json.dumps(payload).encode()
         self.control.settimeout(REPLY_TIMEOUT)
         try:
             socket.send_fds(self.control, [request], list(fds))
@@ -131,14 +161,6 @@ class ForkServer:
             raise ForkRefused(f"the fork server could not fork: {reply.get('error')}", gone=False)
         return int(reply["pid"]), pidfds[0]
 
-    def close(self) -> None:
-        """Stop the server (its forked workers, if any are left, die with it) and collect it."""
-        self.control.close()
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-
-    # ------------------------------------------------------------------ internals
     def _receive(self) -> tuple[dict[str, Any], list[int]]:
         """The server's next message and the descriptors it carries; OSError (ConnectionError at EOF) when there
         is none to come."""
@@ -158,7 +180,7 @@ class ForkServer:
             self._give_up(UNUSABLE, f"ended while importing (exit {self.proc.wait()}; see its log)")
             return
         if message.get("ready"):
-            self.state = READY
+            self.state, self.torch = READY, message.get("torch")
             self.events.write(events.FORK_SERVER, pid=self.pid, state=READY, reason=None, node=self.node,
                            seconds=message.get("seconds"), modules=message.get("modules"))
         else:

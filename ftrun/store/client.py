@@ -1,6 +1,6 @@
 """Client connections to a job's TCPStore: the one place ftrun constructs one.
 
-The agents and the workers use torch's client; ``ftrun status`` and ``ftrun inject`` use :mod:`ftrun.store.wire`,
+The workers use torch's client; the agents, ``ftrun status`` and ``ftrun inject`` use :mod:`ftrun.store.wire`,
 which speaks the same protocol without importing torch.
 """
 
@@ -29,16 +29,15 @@ def open_client(host: str, port: int, timeout: float) -> TCPStore:
 
 
 def open_client_retrying(host: str, port: int, call_timeout: float, total: float,
-                         waiting: Callable[[], None] = lambda: None) -> TCPStore:
-    """A connection whose calls wait at most ``call_timeout`` s (torch fixes the socket's timeout when it
-    connects), retried for ``total`` s: the store may be served later than this process starts.
-    ``waiting`` is called once, when the first try fails."""
+                         waiting: Callable[[], None] = lambda: None) -> StoreClient:
+    """A connection (without torch) whose calls wait at most ``call_timeout`` s, retried for ``total`` s: the
+    store may be served later than this process starts. ``waiting`` is called once, when the first try fails."""
     deadline = time.monotonic() + total
     tries = 0
     while True:
         try:
-            return open_client(host, port, call_timeout)
-        except RuntimeError:
+            return StoreClient(host, port, call_timeout)
+        except StoreError:
             if time.monotonic() > deadline:
                 raise
             tries += 1

@@ -1,4 +1,5 @@
-"""The job's store hosted in this process: a TCPStore served on a socket bound before anything starts."""
+"""The job's store: a TCPStore served on a socket bound before anything starts, in this process or (the agent's
+fork server forks it) in a process of its own."""
 
 from __future__ import annotations
 
@@ -44,6 +45,10 @@ class StoreHost:
         self.sock.listen(1024)
         self.port: int = self.sock.getsockname()[1]
         self.store: TCPStore | None = None
+
+    def close(self) -> None:
+        """Close this process's listening socket (once another process serves the store on its own copy)."""
+        self.sock.close()
 
     def start(self) -> TCPStore:
         """Serve the store on the bound socket (imports torch); returns the agent's own handle on it."""

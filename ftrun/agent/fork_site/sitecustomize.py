@@ -11,6 +11,10 @@ from this file: Python finishes starting up exactly as a worker started with tha
 runs the script as ``__main__``, with that command's sys.argv, sys.path[0], exit codes and tracebacks.
 The server reaps its children and writes each one's wait status to the pipe the agent gave with the request.
 
+It also forks, once, the process that serves the job's store (a TCPStore on the socket the agent listens on):
+torch is imported here already, so the agent never imports it. That process is not the server's: it outlives
+the server and ends when the agent does (its lifeline pipe closes).
+
 Only the standard library is used here: the worker imports ftrun itself, from its own sys.path, if it does.
 A server whose imports or checks fail says why and exits; the agent then starts workers the usual way.
 """
@@ -36,7 +40,9 @@ VARIABLE = "FTRUN_FORK_SERVER"
 MAX_REQUEST = 1 << 22
 """Largest fork request read (its environment, as JSON)."""
 FDS_PER_REQUEST = 4
-"""A request's descriptors: the worker's stdout and stderr pipes, its control channel, the agent's status pipe."""
+"""A worker request's descriptors: its stdout and stderr pipes, its control channel, the agent's status pipe."""
+FDS_PER_STORE_REQUEST = 2
+"""A store request's descriptors: the listening socket, and the read end of the agent's lifeline pipe."""
 STATUS = struct.Struct("i")
 """A child's wait status, as written to its status pipe."""
 _PR_SET_PDEATHSIG = 1
@@ -54,7 +60,7 @@ class Server:
         self.preload: list[str] = setup["preload"]
         self.replay = (b"", b"")  # what the imports printed: each worker prints it too, as it would have
         self.selector: selectors.BaseSelector | None = None
-        self.children: dict[int, tuple[int, int]] = {}  # pidfd -> (pid, status pipe)
+        self.children: dict[int, tuple[int, int | None]] = {}  # pidfd -> (pid, status pipe; None: the store's)
 
     def run(self) -> Child:
         """Preload and serve; returns only in a forked child, as that worker (the server itself never returns)."""
@@ -68,7 +74,7 @@ class Server:
                 gc.collect()
                 gc.freeze()
             self._report({"ready": hazard is None, "reason": hazard, "seconds": round(time.monotonic() - started, 3),
-                          "modules": len(sys.modules)})
+                          "modules": len(sys.modules), "torch": _torch_facts()})
             if hazard is not None:
                 os._exit(0)
             return self._serve()
@@ -135,19 +141,22 @@ class Server:
                     self._reap(key.fd)
 
     def _fork(self) -> Child | None:
-        """Serve one request: fork its worker (returned in the child) and answer with the child's pid."""
+        """Serve one request: fork its worker (returned in the child), or the store's process, and answer with
+        the child's pid."""
         try:
             data, fds, flags, _ = socket.recv_fds(self.control, MAX_REQUEST, FDS_PER_REQUEST)
         except ConnectionError:
             data, fds, flags = b"", [], 0
         if not data:  # the agent is gone or closed the socket: so is every reason to be here
             os._exit(0)
-        if len(fds) != FDS_PER_REQUEST or flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+        request = json.loads(data)
+        store = "store" in request
+        if len(fds) != (FDS_PER_STORE_REQUEST if store else FDS_PER_REQUEST) or \
+                flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
             for fd in fds:
                 os.close(fd)
             self._report({"error": f"malformed request ({len(data)} bytes, {len(fds)} descriptors)"})
             return None
-        request = json.loads(data)
         sys.stdout.flush()
         sys.stderr.flush()
         try:
@@ -158,12 +167,15 @@ class Server:
             self._report({"error": f"fork: {error}"})
             return None
         if pid == 0:
+            if store:
+                _serve_store(self, request["store"], *fds)
             return Child(self, request, *fds)
-        stdout, stderr, channel, status = fds
-        for fd in (stdout, stderr, channel):
+        for fd in fds[:-1]:
             os.close(fd)
+        if store:
+            os.close(fds[-1])
         pidfd = os.pidfd_open(pid)
-        self.children[pidfd] = (pid, status)
+        self.children[pidfd] = (pid, None if store else fds[-1])
         self.selector.register(pidfd, selectors.EVENT_READ)
         # The agent gets a pidfd of its own, opened before this process can reap the child: a bare pid could
         # be gone, or another process's, by the time the agent opened one.
@@ -176,6 +188,8 @@ class Server:
         self.selector.unregister(pidfd)
         os.close(pidfd)
         _, status = os.waitpid(pid, 0)
+        if status_pipe is None:  # the store's process: the agent learns of its end from its own connections
+            return
         try:
             os.write(status_pipe, STATUS.pack(status))
         except OSError:  # the agent stopped listening for this worker: nobody to tell
@@ -188,7 +202,8 @@ class Server:
         self.control.close()
         for pidfd, (_, status_pipe) in self.children.items():
             os.close(pidfd)
-            os.close(status_pipe)
+            if status_pipe is not None:
+                os.close(status_pipe)
         self.children.clear()
 
 
@@ -223,6 +238,39 @@ class Child:
             if text:
                 os.write(fd, text)
         _reseed()
+
+
+def _serve_store(server: Server, store: dict[str, Any], listen: int, lifeline: int) -> None:
+    """In a forked child: serve the job's TCPStore on ``listen`` until ``lifeline`` (a pipe the agent holds the
+    write end of) reaches its end: the agent finished, or died. Never returns."""
+    try:
+        os.setsid()  # signals for the job's process group (a terminal's Ctrl-C) are the agent's business
+        server.close_in_child()
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+
+        served = TCPStore(store["host"], store["port"], is_master=True, master_listen_fd=listen,
+                          wait_for_workers=False, timeout=timedelta(seconds=300), use_libuv=True)
+        os.read(lifeline, 1)  # blocks until the agent's end closes
+        del served
+    except BaseException:  # noqa: BLE001 - this process must never go on to run the script
+        traceback.print_exc()
+        sys.stderr.flush()
+    finally:
+        os._exit(0)
+
+
+def _torch_facts() -> dict[str, Any] | None:
+    """What the agent reports of the imported torch at start-up (ftrun.nccl): its version, CUDA, NCCL."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        nccl = list(torch.cuda.nccl.version())[:3]  # reads the library, no CUDA call
+    except (AttributeError, RuntimeError):  # a build without NCCL
+        nccl = None
+    return {"version": torch.__version__, "cuda": getattr(torch.version, "cuda", None), "nccl": nccl}
 
 
 def _reseed() -> None:
