@@ -191,7 +191,11 @@ class JobStore:
         attempt, and stay. A backend that cannot list its keys (older torch) leaves everything.
         """
         list_keys = getattr(self.kv, "list_keys", None)
-        for key in list_keys() if list_keys is not None else []:
+        try:
+            listed = list_keys() if list_keys is not None else []
+        except RuntimeError:  # a server that does not know the query
+            listed = []
+        for key in listed:
             if not key.startswith(keys.OWN_PREFIX):
                 self.kv.delete_key(key)
 

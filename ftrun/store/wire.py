@@ -61,6 +61,7 @@ class Query(IntEnum):
     MULTI_GET = 10
     CANCEL_WAIT = 12
     PING = 13
+    LIST_KEYS = 17
 
 
 CHECK_READY = 0
@@ -105,6 +106,7 @@ class StoreClient:
     def __init__(self, host: str, port: int, timeout: float = DEFAULT_TIMEOUT,
                  connect_timeout: float | None = None) -> None:
         self.endpoint = f"{host}:{port}"
+        self._address = (host, port)
         self.timeout = timeout
         self._lock = threading.Lock()
         patience = timeout if connect_timeout is None else connect_timeout
@@ -170,6 +172,19 @@ class StoreClient:
     def delete_key(self, key: str) -> bool:
         """Delete ``key``; whether it existed."""
         return self._call(bytes([Query.DELETE_KEY]) + self._key(key), None, self._recv_i64) == 1
+
+    def list_keys(self) -> list[str]:
+        """Every key in the store, as the clients name them (torch's own, without the client's prefix, too).
+
+        Asked on a connection of its own: a server from before LIST_KEYS closes the connection that asks
+        (StoreError here), and this one stays usable.
+        """
+        def read(deadline: float) -> list[str]:
+            raw = [asking._recv_blob(deadline).decode() for _ in range(asking._recv_i64(deadline))]
+            return [key.removeprefix(KEY_PREFIX) for key in raw]
+
+        with StoreClient(*self._address, self.timeout) as asking:
+            return asking._call(bytes([Query.LIST_KEYS]), None, read)
 
     def num_keys(self) -> int:
         """How many keys the store holds (torch counts some of its own)."""

@@ -45,6 +45,17 @@ def test_what_torch_writes_ftrun_reads_and_back(server):
         assert ours.delete_key("cas") and not ours.delete_key("cas") and not torch_client.check(["cas"])
 
 
+def test_keys_are_listed_as_torch_lists_them_and_the_connection_stays_usable(server):
+    master, torch_client = server
+    with StoreClient("127.0.0.1", master.port) as ours:
+        torch_client.set("worker/addr", "x")
+        ours.set("ftrun/run", "r")
+        assert sorted(ours.list_keys()) == sorted(torch_client.list_keys())
+        assert {"worker/addr", "ftrun/run"} <= set(ours.list_keys())
+        assert ours.delete_key("worker/addr") and "worker/addr" not in ours.list_keys()
+        assert ours.get("ftrun/run") == b"r"
+
+
 def test_wait_returns_once_another_client_sets_the_key(server):
     master, torch_client = server
     with StoreClient("127.0.0.1", master.port) as ours:
