@@ -21,7 +21,6 @@ def test_sigkill_of_a_middle_rank_is_recovered_in_place(launch, baseline):
     check_in_place(run, baseline, lost={2: -9}, fault_step=5)
 
 
-@pytest.mark.compat
 def test_sigkill_of_rank_0_is_recovered_and_rank_1_becomes_rank_0(launch, baseline):
     run = launch(faults="kill:5:0")
     check_in_place(run, baseline, lost={0: -9}, fault_step=5)
@@ -35,7 +34,6 @@ def test_sigkill_inside_the_gradient_allreduce_discards_the_step_and_replays_it(
     check_in_place(run, baseline, lost={1: -9}, fault_step=5)
 
 
-@pytest.mark.compat
 def test_exception_in_a_worker_is_recovered_in_place(launch, baseline):
     run = launch(faults="exception:5:3")
     check_in_place(run, baseline, lost={3: 1}, fault_step=5)
@@ -54,7 +52,6 @@ def test_second_fault_during_recovery_is_folded_into_the_same_recovery(launch, b
     assert [e["gen"] for e in run.of("generation")] == [1, 2] and recovery["gen"] == 2, run.explain()
 
 
-@pytest.mark.compat
 def test_respawned_worker_rejoins_with_a_peers_state_and_world_returns_to_4(launch, baseline):
     # The survivors wait before step 8 until the joiner has been placed (an event in the log), so the
     # rejoin happens at a known step however long the new process takes to import torch.
@@ -79,7 +76,6 @@ def test_respawned_worker_rejoins_with_a_peers_state_and_world_returns_to_4(laun
     assert "recovered from joiner arriving" in run.stderr and "world 3 -> 4, 0 steps lost" in run.stderr, why
 
 
-@pytest.mark.compat
 def test_spare_takes_over_a_lost_worker_and_world_stays_4(launch, baseline):
     # every worker waits before step 5 until the spare is ready, so the fault finds it ready
     run = launch("--spares", "1", *NO_WATCHDOG, faults="kill:5:2", wait="5:joiner_ready", script="await_train.py")
