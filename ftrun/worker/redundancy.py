@@ -277,7 +277,7 @@ class Redundancy:
         exchange([(size, 0, False)])
         payload = torch.empty(int(size.item()), dtype=torch.uint8)
         exchange([(payload, 0, False)])
-        loaded = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
+        loaded = torch.load(io.BytesIO(transfer.payload_bytes(payload)), weights_only=True)
         return Layout.from_list(loaded["layout"]), loaded["skeleton"]
 
     def _skeleton(self, step: int) -> Any:

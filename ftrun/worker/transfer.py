@@ -164,6 +164,11 @@ def fill(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
     return replace_leaves(skeleton, lambda _, leaf: tensors[leaf[1]] if _is_ref(leaf) else leaf)
 
 
+def payload_bytes(payload: torch.Tensor) -> bytes:
+    """The bytes of a contiguous CPU uint8 tensor, without NumPy (torch does not depend on it)."""
+    return ctypes.string_at(payload.data_ptr(), payload.numel())
+
+
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().reshape(-1).view(torch.uint8)
 
@@ -209,7 +214,7 @@ def receive(source: int, own: Any, route: Route, bucket_bytes: int = BUCKET_BYTE
     route.control([(size, source, False)])
     payload = torch.empty(int(size.item()), dtype=torch.uint8)
     route.control([(payload, source, False)])
-    skeleton, specs = read_manifest(ctypes.string_at(payload.data_ptr(), payload.numel()))
+    skeleton, specs = read_manifest(payload_bytes(payload))
     into = targets(specs, own, route.devices)
     staging = _Staging(bucket_bytes)
     for group in buckets(specs, bucket_bytes):
