@@ -28,21 +28,30 @@ def open_client(host: str, port: int, timeout: float) -> TCPStore:
                     use_libuv=True)
 
 
+RETRY_PAUSE = 0.05
+"""Seconds before the second try to reach a store not served yet; each later pause is longer, up to the next."""
+RETRY_PAUSE_MAX = 1.0
+
+
 def open_client_retrying(host: str, port: int, call_timeout: float, total: float,
                          waiting: Callable[[], None] = lambda: None) -> StoreClient:
     """A connection (without torch) whose calls wait at most ``call_timeout`` s, retried for ``total`` s: the
-    store may be served later than this process starts. ``waiting`` is called once, when the first try fails."""
+    store may be served later than this process starts. ``waiting`` is called once, when the first try fails.
+    A refused connection fails at once, so the tries are spaced out (up to RETRY_PAUSE_MAX s apart), as torch's
+    client spaces its own."""
     deadline = time.monotonic() + total
     tries = 0
     while True:
         try:
             return StoreClient(host, port, call_timeout)
         except StoreError:
-            if time.monotonic() > deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise
             tries += 1
             if tries == 1:
                 waiting()
+            time.sleep(min(RETRY_PAUSE * tries, RETRY_PAUSE_MAX, left))
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
