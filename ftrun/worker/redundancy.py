@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ftrun.protocol import node_of
 from ftrun.worker import shards, transfer
 from ftrun.worker.shards import INVALID, Choice, Holding, Layout, Leaf
 from ftrun.worker.state import Stateful
@@ -107,6 +108,11 @@ class Slot:
     skeleton: Any = None
 
 
+def _stride(members: list[int]) -> int:
+    """The buddy stride of a generation of these worker uids (rank order), from the node each started on."""
+    return shards.buddy_stride([node_of(uid) for uid in members])
+
+
 def refresh_interval(script: int, launcher: str | None) -> int:
     """Every how many committed steps the copies are refreshed: ftrun's ``--refresh-every`` (FTRUN_REFRESH_EVERY,
     ``launcher``) when it was given, else the script's ``refresh_every``."""
@@ -121,11 +127,11 @@ class Redundancy:
     """The protected sharded state of this rank, its snapshots and its buddy's copy; refresh and recovery.
 
     ``issue`` starts a control-plane operation unless the generation was abandoned (it raises then);
-    ``nodes`` is the node of each rank of the current generation.
+    ``members`` are the worker uids of the current generation, in rank order.
     """
 
     def __init__(self, objects: dict[str, Stateful], rebuild: Rebuild, every: int,
-                 issue: Callable[[Callable[[], dist.Work]], dist.Work], nodes: list[int]) -> None:
+                 issue: Callable[[Callable[[], dist.Work]], dist.Work], members: list[int]) -> None:
         if every < 0:
             raise ValueError(f"ftrun: refresh_every must be 0 (no copies) or more, not {every}")
         self.objects = objects
@@ -135,7 +141,7 @@ class Redundancy:
         _, self.layout, _ = local_state(objects, dist.get_world_size())
         self.index, self.world = dist.get_rank(), dist.get_world_size()
         self.layout_gen = 0  # the generation whose re-sharding made the current layout
-        self.stride = shards.buddy_stride(nodes)  # the buddy is rank index + stride
+        self.stride = _stride(members)  # the buddy is rank index + stride
         self.own: list[Slot] = []
         self.buddy: list[Slot] = []
         self._thread: threading.Thread | None = None
@@ -216,10 +222,10 @@ class Redundancy:
         return Holding(committed, self.index, self.world, steps(self.own), steps(self.buddy), self.layout_gen,
                        self.stride)
 
-    def restore(self, choice: Choice, control: dist.ProcessGroup, gen: int, nodes: list[int]) -> None:
+    def restore(self, choice: Choice, control: dist.ProcessGroup, gen: int, members: list[int]) -> None:
         """Move the chosen copies to the new shards over ``control``, rebuild the objects (in the protected
-        mapping, by name) and load them; the copies from now on go to buddies placed over ``nodes`` (the node
-        of each rank of generation ``gen``).
+        mapping, by name) and load them; the copies from now on go to buddies placed over the nodes of
+        ``members`` (generation ``gen``'s worker uids, in rank order).
 
         Peak memory beyond the redundancy slots: this rank's new shard twice (received, then loaded).
         """
@@ -243,7 +249,7 @@ class Redundancy:
         self.objects.update(self.rebuild())
         self._load(layout, skeleton, received, rank, world)
         self.layout, self.index, self.world, self.layout_gen = layout, rank, world, gen
-        self.stride = shards.buddy_stride(nodes)
+        self.stride = _stride(members)
         self.own, self.buddy = [], []
 
     def _sources(self, choice: Choice, rank: int) -> dict[int, torch.Tensor]:

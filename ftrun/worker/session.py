@@ -22,7 +22,7 @@ import torch.distributed.nn  # noqa: F401 -- imported before any group exists, o
 from torch.nn.parallel import DistributedDataParallel
 
 from ftrun import protocol
-from ftrun.protocol import Plan, initial_members, node_of
+from ftrun.protocol import Plan, initial_members
 from ftrun.store.client import open_client
 from ftrun.worker import backends, transfer
 from ftrun.worker.channel import AgentChannel
@@ -138,8 +138,7 @@ class Session:
                              "the same objects over the current world (README, 'Sharded models')")
         if self.managed:
             every = refresh_interval(refresh_every, os.environ.get("FTRUN_REFRESH_EVERY"))
-            self.redundancy = Redundancy(self.protected, rebuild, every, self.collectives.issue,
-                                         [node_of(uid) for uid in self.members])
+            self.redundancy = Redundancy(self.protected, rebuild, every, self.collectives.issue, self.members)
 
     @contextmanager
     def guard(self) -> Iterator[None]:
@@ -424,7 +423,7 @@ class Session:
         then copy the result to the buddies at once, so the new generation is redundant from its start."""
         with self._state_lock:
             self.committed_step = INVALID_STEP
-            self.redundancy.restore(choice, self.planes.control, plan.gen, [node_of(uid) for uid in plan.members])
+            self.redundancy.restore(choice, self.planes.control, plan.gen, plan.members)
             self.committed_step = choice.step
         if not self.redundancy.every:
             return  # no copies are kept (refresh_every 0)
