@@ -32,6 +32,9 @@ def make_parser(description: str, lr: float) -> argparse.ArgumentParser:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--global-batch", type=int, default=128)
     parser.add_argument("--samples", type=int, default=4096)
+    parser.add_argument("--backend", default=None,
+                        help="The data plane's backend (default: nccl with a GPU, else gloo); e.g. cuda:gloo to "
+                             "let several workers share one GPU, which NCCL refuses.")
     return parser
 
 
@@ -112,7 +115,7 @@ def train(ft: ftrun.Session, steps: int, step_fn: Callable[[int], float | None])
 
 def main() -> None:
     args = parse_args()
-    ft = ftrun.init()
+    ft = ftrun.init(args.backend)
     training = build(args, ft)
     train(ft, args.steps, lambda step: train_step(ft, training, step))
 

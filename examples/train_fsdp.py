@@ -75,7 +75,7 @@ def train_step(ft: ftrun.Session, t: Training, step: int) -> float | None:
 
 def main() -> None:
     args = parse_args()
-    ft = ftrun.init()
+    ft = ftrun.init(args.backend)
     training = build(args, ft)
     train_ddp.train(ft, args.steps, lambda step: train_step(ft, training, step))
 

@@ -170,8 +170,9 @@ def step_times(launcher: str, script: Path, extra: list[str], steps: int, timeou
 
 
 # ------------------------------------------------------------------ comm hook
-def hook_costs(steps: int) -> dict[str, list[float]]:
-    """Microseconds per bucket call of ftrun's comm hook and of a minimal Python one (world of one)."""
+def hook_costs(steps: int, backend: str = "gloo", device: str = "cpu") -> dict[str, list[float]]:
+    """Microseconds per bucket call of ftrun's comm hook and of a minimal Python one (world of one, the model
+    on ``device``, the group of ``backend``)."""
     import threading
     from datetime import timedelta
 
@@ -185,13 +186,13 @@ def hook_costs(steps: int) -> dict[str, list[float]]:
     from ftrun.worker.steps import StepCollectives
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=60))
+    dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timedelta(seconds=60))
     collectives = StepCollectives(threading.Condition(), None)
     hooks = {"ftrun": collectives.hook,
              "minimal": lambda group, bucket: group.allreduce([bucket.buffer()]).get_future().then(
                  lambda fut: fut.value()[0])}
     args = train_ddp.parse_args([])
-    inputs = torch.randn(32, args.width)
+    inputs = torch.randn(32, args.width, device=device)
     costs: dict[str, list[float]] = {}
     for name, hook in hooks.items():
         measured: list[float] = []
@@ -202,7 +203,7 @@ def hook_costs(steps: int) -> dict[str, list[float]]:
             measured.append((time.perf_counter_ns() - start) / 1000)
             return future
 
-        model = DistributedDataParallel(train_ddp.make_model(args), bucket_cap_mb=1)
+        model = DistributedDataParallel(train_ddp.make_model(args).to(device), bucket_cap_mb=1)
         model.register_comm_hook(dist.group.WORLD, timed)
         for _ in range(steps):
             collectives.begin()

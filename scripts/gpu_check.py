@@ -8,13 +8,16 @@ Run by scripts/gpu_check.sh on a machine with a GPU. World size 1 (NCCL allows o
 2. the step path on CUDA tensors: stock DDP with ftrun's comm hook (1 MB buckets) and the loss summed in
    ``finish``, against the gradients and loss of the same model without DDP;
 3. the transfer's manifest of a CUDA model and Adam state: which tensors travel on the data plane, the
-   receiver's in-place targets on the GPU.
+   receiver's in-place targets on the GPU;
+4. the comm hook's cost per bucket call on CUDA tensors and NCCL, against a minimal Python hook
+   (scripts/bench_recovery.py's measurement): what stands between DDP and each all-reduce's launch.
 
 Prints one line per check, the torch and NCCL versions and the backend class "nccl" resolved to.
 """
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +32,8 @@ from ftrun.worker import backends, transfer
 from ftrun.worker.planes import Planes
 from ftrun.worker.state import snapshot
 from ftrun.worker.steps import StepCollectives
+
+from bench_recovery import hook_costs  # noqa: I001 -- beside this script
 
 
 def timed(label: str, action: Callable[[], object]) -> None:
@@ -120,6 +125,9 @@ def main() -> None:
     check_step()
     check_manifest()
     planes.destroy()
+    for name, costs in hook_costs(100, "nccl", "cuda").items():
+        print(f"comm hook per bucket call on CUDA/NCCL, {name:7s}: median {statistics.median(costs):6.1f} us, "
+              f"90th percentile {statistics.quantiles(costs, n=10)[-1]:6.1f} us ({len(costs)} calls)", flush=True)
     print("gpu check: ok", flush=True)
 
 

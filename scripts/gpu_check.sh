@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
 # GPU check, everything one GPU can show: real NVML through ftrun's health monitor; ftrun's two planes on NCCL
-# (world size 1), its comm hook and commit on CUDA tensors and its state manifest of a CUDA model
-# (scripts/gpu_check.py); then the example under ftrun on that GPU. Needs a GPU and `pip install -e '.[gpu]'`;
-# prints what it measured.
+# (world size 1), its comm hook and commit on CUDA tensors, its state manifest of a CUDA model and the hook's
+# cost per bucket (scripts/gpu_check.py); both examples under ftrun on that GPU; then four workers sharing the
+# GPU, one of them SIGKILLed and recovered in place (scripts/gpu_drill.py). Needs a GPU and ftrun's
+# dependencies (`pip install -e '.[gpu]'`, or torch, typer, rich, psutil and nvidia-ml-py already there);
+# prints what it measured and ends with "gpu check: all passed".
 #
-# What one GPU cannot show: anything with two NCCL ranks (NCCL takes one rank per GPU). So not the abort of a
-# communicator with a kernel waiting for a dead peer, not a survivor recovering in place, not the
-# device-to-device transfer to a rank behind (it needs a source and a receiver), and not a rescue restore (the
-# state is saved by the workers that survive a failed recovery; with one rank there are none): those need two
-# GPUs or more.
+# What one GPU cannot show: anything with two NCCL ranks (NCCL takes one rank per GPU; the drill's workers
+# share the GPU on Gloo for CUDA tensors). So not the abort of an NCCL communicator with a kernel waiting for
+# a dead peer, and not the device-to-device transfer to a rank behind over NCCL (it needs a source and a
+# receiver on two GPUs): those need two GPUs or more.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python -c 'import torch; print(f"torch {torch.__version__}, CUDA {torch.version.cuda}")'
 python scripts/nvml_check.py --seconds "${NVML_CHECK_SECONDS:-5}"
 python scripts/gpu_check.py
-ftrun --nproc-per-node 1 examples/train_ddp.py --steps 20 2>&1 | tail -3
-
+for example in train_ddp train_fsdp; do
+  python -m ftrun --nproc-per-node 1 "examples/$example.py" --steps 20 2>&1 | tail -3
+done
+python scripts/gpu_drill.py
+echo "gpu check: all passed"
