@@ -71,12 +71,18 @@ def make_model(args: argparse.Namespace) -> torch.nn.Module:
     return torch.nn.Sequential(*layers, torch.nn.Linear(args.width, args.width))
 
 
+def local_device() -> torch.device:
+    """This worker's GPU (LOCAL_RANK's, made the current one) where there is a GPU, else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
 def build(args: argparse.Namespace, ft: ftrun.Session, **ddp_options: Any) -> Training:
     """Data, model, optimizer; protected so a peer can restore them."""
-    device = torch.device("cpu")
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-        torch.cuda.set_device(device)
+    device = local_device()
     inputs, targets = make_data(args)
     model = ft.ddp(make_model(args).to(device), **ddp_options)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)

@@ -46,12 +46,13 @@ def shard(model: torch.nn.Module) -> torch.nn.Module:
 def build(args: argparse.Namespace, ft: ftrun.Session) -> Training:
     """Data, the sharded model and its optimizer; protected with the function that rebuilds them over a
     new world (after a recovery the training holds the rebuilt ones)."""
-    inputs, targets = train_ddp.make_data(args)
+    device = train_ddp.local_device()
+    inputs, targets = (tensor.to(device) for tensor in train_ddp.make_data(args))
     batches = ftrun.GlobalBatches(args.samples, args.global_batch, seed=args.seed)
     training: Training | None = None
 
     def rebuild() -> dict:
-        model = shard(train_ddp.make_model(args))
+        model = shard(train_ddp.make_model(args).to(device))
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
         if training is not None:
             training.model, training.optimizer = model, optimizer

@@ -3,8 +3,8 @@
 Run by scripts/gpu_check.sh on a machine with a GPU. World size 1 (NCCL allows one rank per GPU):
 
 1. the planes: generation 0 formed through ftrun's ``Planes`` (NCCL data group with eager init, Gloo control
-   group), a collective on each, the abort of both, generation 1 formed, collectives again, the stale one
-   released;
+   group), a collective on each, the abort of both, generation 1 formed while generation 0's communicator
+   is still being torn down, collectives again, the stale one released once its abort is done;
 2. the step path on CUDA tensors: stock DDP with ftrun's comm hook (1 MB buckets) and the loss summed in
    ``finish``, against the gradients and loss of the same model without DDP;
 3. the transfer's manifest of a CUDA model and Adam state: which tensors travel on the data plane, the
@@ -59,10 +59,17 @@ def check_planes(store: dist.TCPStore) -> Planes:
           f"control plane: {type(planes.control).__name__}; TORCH_NCCL_ASYNC_ERROR_HANDLING="
           f"{backends.NCCL_ENV['TORCH_NCCL_ASYNC_ERROR_HANDLING']}", flush=True)
     timed("all_reduce 4 MiB (data) + allgather (control)", lambda: collectives_on_both_planes(planes))
-    timed("abort both planes (ncclCommAbort, Gloo shutdown)", planes.abort)
+    started = time.perf_counter()
+    timed("abort both planes (ncclCommAbort started, Gloo shutdown)", planes.abort)
     timed("form generation 1", lambda: planes.form(Plan(1, [0]), lambda: False))
+    print(f"generation 0's abort still tearing down when generation 1 was formed: {not planes.wait_aborts(0)}",
+          flush=True)
     timed("collectives on generation 1", lambda: collectives_on_both_planes(planes))
+    assert planes.wait_aborts(60), "generation 0's abort did not end within 60 s"
+    print(f"{'generation 0 aborted, from the abort on':<52} {1000 * (time.perf_counter() - started):8.1f} ms",
+          flush=True)
     timed("release generation 0", planes.release)
+    assert not planes.stale, "generation 0 was not released"
     return planes
 
 

@@ -12,14 +12,17 @@ torch/distributed/distributed_c10d.py); see the README section "How recovery wor
   while the generation forms, not on the first step after it; batched point-to-point operations then
   run on that communicator (ProcessGroupNCCL::pointToPoint takes the device key under
   ``ncclGroupStart``) instead of building a two-rank one per pair.
-* Abort: ``_abort_process_group`` (ncclCommAbort on every communicator) from the channel thread, the
-  moment a new plan arrives, so a kernel waiting for a dead peer is freed at once.
+* Abort: ``ProcessGroup.abort`` (ncclCommAbort) of every group, each on a thread of its own started from
+  the channel thread the moment a new plan arrives, so a kernel waiting for a dead peer is freed at once.
+  The next generation does not wait for the communicators' teardown (about a second): the aborted groups
+  leave torch's registry as ``_abort_process_group`` would remove them, and are freed once aborted.
 """
 
 from __future__ import annotations
 
 import inspect
 import os
+import threading
 from typing import Any
 
 import torch
@@ -57,15 +60,55 @@ def init_options(backend: str) -> dict[str, Any]:
     return {}
 
 
-def abort(group: dist.ProcessGroup) -> None:
-    """Fail every collective in flight on the data plane where the backend can (NCCL); Gloo's is done
-    by the caller, by shutting down the group's connections."""
+def abort(group: dist.ProcessGroup) -> list[threading.Thread]:
+    """Start failing every collective in flight on the data plane: each group torch.distributed holds is
+    aborted on a thread of its own (NCCL: ``ncclCommAbort``; Gloo: a no-op, the caller shuts its connections
+    down). Returns those threads. NCCL's abort frees a kernel waiting for a dead peer at once but takes about
+    a second to tear the communicator down (0.95-0.98 s on an H200, NCCL 2.28.9, with nothing in flight):
+    the next generation forms meanwhile (:func:`forget_groups`), not after it."""
     if not dist.is_initialized() or group is not dist.group.WORLD:
-        return  # already replaced: nothing of it is in flight any more
-    if "nccl" in str(dist.get_backend(group)):
-        aborting = getattr(dist.distributed_c10d, "_abort_process_group", None)
-        if aborting is not None:
-            aborting()
+        return []  # already replaced: nothing of it is in flight any more
+    groups = list(getattr(dist.distributed_c10d._world, "pg_names", {})) or [group]
+    threads = [threading.Thread(target=_abort_group, args=(g,), name="ftrun-abort", daemon=True) for g in groups]
+    for thread in threads:  # one thread each: every communicator's abort flag is raised at once, so one
+        thread.start()      # communicator's teardown never waits behind another's blocked kernel
+    return threads
+
+
+def _abort_group(group: dist.ProcessGroup) -> None:
+    """Abort one group's backends (``ProcessGroup.abort``, else its CUDA backend's)."""
+    aborting = getattr(group, "abort", None)
+    if aborting is None:
+        try:
+            aborting = group._get_backend(torch.device("cuda")).abort
+        except (RuntimeError, AttributeError):
+            return  # no backend that can abort: a CPU group, shut down by its connections
+    aborting()
+
+
+REGISTRY = ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag", "tags_to_pg",
+            "pg_coalesce_state")
+
+
+def forget_groups(aborting: list[threading.Thread]) -> None:
+    """Take every group out of torch.distributed's registry without tearing any down, so that the next
+    default group can be formed while the aborts in ``aborting`` still run; each group is freed when its
+    last reference goes. This is the registry clean-up of torch's own ``_abort_process_group``
+    (distributed_c10d.py) without the abort before it. Where torch's registry is not as expected, the
+    aborts are waited for and the groups destroyed instead."""
+    c10d = dist.distributed_c10d
+    if not (hasattr(c10d, "_update_default_pg") and all(hasattr(c10d._world, name) for name in REGISTRY)):
+        for thread in aborting:
+            thread.join()
+        dist.destroy_process_group()
+        return
+    c10d._update_default_pg(None)
+    for name in REGISTRY:
+        getattr(c10d._world, name).clear()
+    unregister = getattr(c10d, "_unregister_all_process_groups", None)
+    if unregister is not None:
+        unregister()
+    c10d._world.group_count = 0
 
 
 def shut_down(group: Any) -> None:

@@ -12,11 +12,13 @@ One store barrier per generation (which a newer plan can interrupt), then both p
 its own store prefix: no second rendezvous in series.
 
 The stale generation is aborted on both planes at once when the next plan arrives, from the channel
-thread: NCCL's ``abort``, and for every Gloo group the shutdown of the generation's own TCP connections
-(Gloo's ``abort`` is a no-op, and torch's in-place ``_reconfigure`` on Gloo leaves the collectives in
-flight blocked: tests/test_torch_reconfigure.py). Every collective in flight then fails at once, here
-and on every peer; once they have, the stale groups hold no blocked thread and are released (their
-threads end and their sockets close), off the recovery's critical path.
+thread: every data group's ``abort`` on a thread of its own (NCCL's takes about a second to tear a
+communicator down, and the next generation forms meanwhile), and for every Gloo group the shutdown of the
+generation's own TCP connections (Gloo's ``abort`` is a no-op, and torch's in-place ``_reconfigure`` on
+Gloo leaves the collectives in flight blocked: tests/test_torch_reconfigure.py). Every collective in
+flight then fails at once, here and on every peer; once they have, and the aborts are done, the stale
+groups hold no blocked thread and are released (their threads end and their sockets close), off the
+recovery's critical path.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ import os
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import psutil
@@ -63,6 +66,11 @@ class Generation:
     data: dist.ProcessGroup
     control: dist.ProcessGroup
     fds: set[int]  # the Gloo connections of both groups: shut down to abort them
+    aborts: list[threading.Thread] = field(default_factory=list)  # its data groups' aborts, once started
+
+    def aborting(self) -> bool:
+        """Whether an abort of its data groups still runs."""
+        return any(thread.is_alive() for thread in self.aborts)
 
 
 class Planes:
@@ -128,31 +136,43 @@ class Planes:
     def abort(self) -> None:
         """Make every collective in flight on the current planes fail now, here and on their peers.
 
-        Safe to call from the channel thread, and more than once; the aborted groups are released later.
+        Safe to call from the channel thread, and more than once; returns at once (the data groups' aborts
+        run on threads of their own); the aborted groups are released later.
         """
         with self._lock:
             current = self.current
             if current is None or current in self._aborted:
                 return
             self._aborted.append(current)
-        backends.abort(current.data)
+        current.aborts = backends.abort(current.data)
         _shut_down(current.fds)
 
     def release(self) -> None:
-        """Free the aborted generations' groups: their threads end and their sockets close.
+        """Free the aborted generations' groups whose aborts are done: their threads end and their sockets
+        close (one still aborting is freed by a later call).
 
         Call only once no collective of theirs can still complete into Python (every hook future done):
         a group's destructor joins its threads, and a thread waiting for the interpreter would never end.
         """
         with self._lock:
-            stale = [g for g in self._aborted if g is not self.current]
-            self._aborted = [g for g in self._aborted if g is self.current]
+            stale = [g for g in self._aborted if g is not self.current and not g.aborting()]
+            self._aborted = [g for g in self._aborted if g not in stale]
         for generation in stale:
             backends.shut_down(generation.control)
         del stale  # the last references: each destructor joins its (now idle) threads and closes its sockets
 
+    def wait_aborts(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the aborts of the aborted generations; whether all are done."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            threads = [thread for generation in self._aborted for thread in generation.aborts]
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(thread.is_alive() for thread in threads)
+
     def destroy(self) -> None:
         """At exit: shut the current planes down, so no backend thread runs into the interpreter's teardown."""
+        self.wait_aborts(self.timeout.total_seconds())
         if self.current is not None:
             backends.shut_down(self.current.control)
         if dist.is_initialized():
@@ -160,9 +180,10 @@ class Planes:
         self.current = None
 
     def _retire(self) -> None:
-        """Take the (aborted) default group out of torch.distributed, so the next one can be formed."""
+        """Take the aborted groups out of torch.distributed, so the next default group can be formed
+        while their aborts still run."""
         if dist.is_initialized():
-            dist.destroy_process_group()
+            backends.forget_groups([thread for generation in self._aborted for thread in generation.aborts])
 
     def _form(self, name: str, gen: int, rank: int | None, world_size: int,
               superseded: Callable[[], bool] = lambda: False) -> None:

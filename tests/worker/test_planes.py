@@ -13,6 +13,7 @@ import selectors
 import socket
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from runs import read_run
 
 from ftrun.protocol import STACK_DUMP_SIGNAL, Plan
+from ftrun.worker.planes import Planes
 
 STRICT = re.compile(r"commit uid=(\d+) rank=(\d+) world=(\d+) step=(\d+) loss=(\S+) sum=(\S+)$")
 
@@ -63,6 +65,34 @@ def test_recovery_with_a_data_group_that_rejects_cpu_tensors_uses_only_the_contr
     for step, by_uid in commits.items():
         assert set(by_uid) == ({0, 1, 2, 3} if step < 5 else {0, 1, 3, 4}), f"step {step}\n{why}"
         assert len(set(by_uid.values())) == 1, f"ranks disagree at step {step}: {by_uid}\n{why}"
+
+
+@pytest.mark.fast
+def test_the_next_generation_forms_while_the_last_ones_abort_still_runs(free_port, monkeypatch):
+    # NCCL's abort takes about a second to tear a communicator down (0.95 s on an H200): the next generation
+    # must not wait for it. The backend's abort is made to block until released, in place of NCCL's.
+    released = threading.Event()
+    monkeypatch.setattr(dist.ProcessGroup, "abort", lambda group: released.wait(60))
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    planes = Planes(store, attempt=0, uid=0, backend="gloo", timeout=timedelta(seconds=30))
+    try:
+        planes.form(Plan(0, [0]), lambda: False)
+        first = dist.group.WORLD
+        planes.abort()
+        planes.form(Plan(1, [0]), lambda: False)
+        assert dist.group.WORLD is not first and not planes.wait_aborts(0)
+        summed = torch.ones(2)
+        dist.all_reduce(summed)
+        assert summed.tolist() == [1.0, 1.0]
+        planes.release()
+        assert planes.stale  # still aborting: not freed under its abort
+        released.set()
+        assert planes.wait_aborts(30)
+        planes.release()
+        assert not planes.stale
+    finally:
+        released.set()
+        planes.destroy()
 
 
 # ------------------------------------------------------------------------------ nothing leaks
