@@ -225,7 +225,8 @@ class StubNode:
 
 @pytest.fixture
 def fake_nvml(monkeypatch) -> ModuleType:
-    """The stand-in pynvml (4 GPUs) as sys.modules['pynvml'], fresh for one test."""
+    """The stand-in pynvml (4 GPUs, all visible) as sys.modules['pynvml'], fresh for one test."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # the machine the suite runs on is not its GPUs
     spec = importlib.util.spec_from_file_location("pynvml", FAKE_NVML / "pynvml.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
