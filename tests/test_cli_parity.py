@@ -31,6 +31,11 @@ DEFAULTS_DIFFER = {
     "duplicate_stdout_filters": "refused, so kept as the raw text ('' for none)",
     "duplicate_stderr_filters": "refused, so kept as the raw text ('' for none)",
 }
+# Where the installed torch is older than the one ftrun follows (torch 2.15): flags its torchrun lacks, and
+# defaults it had before. ftrun keeps the current release's; the tests then check them against these.
+NEWER_FLAGS = {"--shutdown-timeout", "--shutdown_timeout", "--log-line-prefix-template",
+               "--log_line_prefix_template", "--print-completion", "--print_completion"}
+OLDER_DEFAULTS = {"master_port": (29500, None)}  # (older torchrun's, the current one's): None reads as 29500
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 
 
@@ -44,7 +49,9 @@ def test_every_torchrun_flag_is_accepted_with_its_spellings_variable_and_default
     assert param.is_flag == (action.nargs == 0)
     expected_env = f"PET_{action.dest.upper()}" if isinstance(action, (env, check_env)) else None
     assert param.envvar == expected_env
-    if action.dest not in DEFAULTS_DIFFER:
+    if action.dest in OLDER_DEFAULTS and action.default == OLDER_DEFAULTS[action.dest][0]:
+        assert param.default == OLDER_DEFAULTS[action.dest][1]
+    elif action.dest not in DEFAULTS_DIFFER:
         assert param.default == action.default
 
 
@@ -52,7 +59,7 @@ def test_ftrun_has_no_torchrun_lookalike_that_torchrun_lacks():
     torchrun_names = {name for action in ACTIONS for name in action.option_strings}
     panel = {name for param in RUN.params if getattr(param, "rich_help_panel", None) == cli.TORCHRUN_PANEL
              for name in param.opts}
-    assert panel == torchrun_names
+    assert torchrun_names <= panel and panel - torchrun_names <= NEWER_FLAGS, panel ^ torchrun_names
 
 
 def argparse_reading(arg: str) -> argparse.Action | str | None:
@@ -83,7 +90,10 @@ PREFIXES = sorted({name[:end] for action in TORCHRUN._actions for name in action
 
 
 def test_every_abbreviation_of_a_torchrun_flag_reads_as_torchrun_reads_it():
+    lacking = NEWER_FLAGS - {name for action in TORCHRUN._actions for name in action.option_strings}
     for prefix in PREFIXES:
+        if any(name.startswith(prefix) for name in lacking):
+            continue  # ftrun reads it as the current torchrun does, which has one more flag to match
         action = argparse_reading(prefix)
         if action is None:
             continue
