@@ -2,14 +2,15 @@
 # GPU check, everything one GPU can show: real NVML through ftrun's health monitor; ftrun's two planes on NCCL
 # (world size 1), its comm hook and commit on CUDA tensors, its state manifest of a CUDA model and the hook's
 # cost per bucket (scripts/gpu_check.py); both examples under ftrun on that GPU; then four workers sharing the
-# GPU, one of them SIGKILLed and recovered in place (scripts/gpu_drill.py). Needs a GPU and ftrun's
+# GPU, one of them SIGKILLed and recovered in place, and again with --respawn, where the replacement receives
+# the CUDA state from a peer (scripts/gpu_drill.py). Needs a GPU and ftrun's
 # dependencies (`pip install -e '.[gpu]'`, or torch, typer, rich, psutil and nvidia-ml-py already there);
 # prints what it measured and ends with "gpu check: all passed".
 #
 # What one GPU cannot show: anything with two NCCL ranks (NCCL takes one rank per GPU; the drill's workers
-# share the GPU on Gloo for CUDA tensors). So not the abort of an NCCL communicator with a kernel waiting for
-# a dead peer, and not the device-to-device transfer to a rank behind over NCCL (it needs a source and a
-# receiver on two GPUs): those need two GPUs or more.
+# share the GPU on Gloo for CUDA tensors, whose point-to-point goes through host memory). So not the abort of
+# an NCCL communicator with a kernel waiting for a dead peer, and not the device-to-device transfer to a rank
+# behind over NCCL (it needs a source and a receiver on two GPUs): those need two GPUs or more.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

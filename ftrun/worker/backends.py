@@ -38,6 +38,17 @@ def served(backend: str) -> set[str]:
     return set(dist.Backend.backend_capability.get(backend.lower(), ["cpu"]))
 
 
+def moves_point_to_point(backend: str) -> set[str]:
+    """The device types a group of ``backend`` sends and receives point to point from the tensors' own
+    memory: Gloo's ``send``/``recv`` hand the tensor's pointer to a TCP buffer as host memory
+    (ProcessGroupGloo::send), so on Gloo only CPU tensors; NCCL moves CUDA tensors."""
+    if ":" in backend:
+        pairs = [tuple(part.strip() for part in pair.split(":")) for pair in backend.split(",")]
+    else:
+        pairs = [(kind, backend) for kind in served(backend)]
+    return {kind for kind, name in pairs if name.lower() != "gloo" or kind == "cpu"}
+
+
 def device_of(device_type: str) -> torch.device:
     """This rank's device of a type: its GPU (LOCAL_RANK) for cuda."""
     if device_type == "cuda" and torch.cuda.is_available():

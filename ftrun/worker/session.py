@@ -447,12 +447,15 @@ class Session:
                 self.committed_step = load_into(received, self.protected)
 
     def _route(self) -> transfer.Route:
-        """Tensors of the devices the data plane takes travel on it; CPU tensors otherwise on the control plane."""
+        """Tensors of the devices the data plane takes travel on it, through host memory where it moves them
+        in collectives only (Gloo with CUDA tensors); CPU tensors otherwise on the control plane."""
         control = transfer.p2p_on_backend(self.planes.control)
         data = transfer.p2p_on_group(dist.group.WORLD)
         kinds = {kind for kind in backends.served(self.backend)
                  if kind == "cpu" or (kind == "cuda" and torch.cuda.is_available())}
-        exchanges = {kind: data for kind in kinds}
+        native = backends.moves_point_to_point(self.backend)
+        host = data if "cpu" in native else control
+        exchanges = {kind: data if kind in native else transfer.via_host(host) for kind in kinds}
         exchanges.setdefault("cpu", control)
         return transfer.Route(exchanges, {kind: backends.device_of(kind) for kind in exchanges}, control)
 

@@ -255,6 +255,22 @@ def p2p_on_backend(backend: Any) -> Exchange:
     return run
 
 
+def via_host(exchange: Exchange) -> Exchange:
+    """Point-to-point of device tensors through host memory, over ``exchange`` of CPU tensors: for a data
+    plane that moves the device's tensors in collectives but not point to point (Gloo with CUDA tensors).
+    Each operation's tensor (one bucket, or one large tensor) is staged in host memory on both sides."""
+
+    def run(ops: list[tuple[torch.Tensor, int, bool]]) -> None:
+        hosted = [(tensor.cpu() if is_send else torch.empty(tensor.shape, dtype=tensor.dtype), peer, is_send)
+                  for tensor, peer, is_send in ops]
+        exchange(hosted)
+        for (tensor, _, is_send), (host, _, _) in zip(ops, hosted):
+            if not is_send:
+                tensor.copy_(host)
+
+    return run
+
+
 def _wait_all(works: list[dist.Work]) -> None:
     """Wait for point-to-point works (they have no future on Gloo): a peer's death or the abort of the
     generation (its connections shut down) makes them fail at once."""

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ftrun.worker import transfer
+from ftrun.worker import backends, transfer
 from ftrun.worker.state import best_rescue, load_into, save_rescue, snapshot
 
 pytestmark = pytest.mark.fast
@@ -86,11 +86,21 @@ def test_targets_receive_in_place_where_the_receiver_has_a_matching_tensor():
                    for t, s in zip(fresh, specs))
 
 
+def test_gloo_moves_only_cpu_tensors_point_to_point():
+    # ProcessGroupGloo::send hands the tensor's pointer to TCP as host memory: CUDA tensors must be staged
+    assert backends.moves_point_to_point("gloo") == {"cpu"}
+    assert backends.moves_point_to_point("cuda:gloo") == set()
+    assert backends.moves_point_to_point("nccl") == {"cuda"}
+    assert backends.moves_point_to_point("cpu:gloo,cuda:nccl") == {"cpu", "cuda"}
+
+
 # ------------------------------------------------------------------------------ over real Gloo
-@pytest.mark.parametrize("bucket_bytes", [transfer.BUCKET_BYTES, 150_000])
-def test_a_rank_behind_receives_the_sources_state_over_gloo(free_port, bucket_bytes):
+@pytest.mark.parametrize(("bucket_bytes", "staged"), [(transfer.BUCKET_BYTES, False), (150_000, False),
+                                                     (150_000, True)])
+def test_a_rank_behind_receives_the_sources_state_over_gloo(free_port, bucket_bytes, staged):
     # two ranks in two threads, each with a data and a control Gloo group; the receiver is a fresh
-    # joiner (no optimizer state yet): its model is received in place, its moments into new tensors
+    # joiner (no optimizer state yet): its model is received in place, its moments into new tensors.
+    # Staged: through host buffers, as CUDA tensors travel on a Gloo data plane
     store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
     source, receiver = objects(0), objects(1)
     receiver["optimizer"] = torch.optim.Adam(receiver["model"].parameters(), lr=0.01)
@@ -102,7 +112,8 @@ def test_a_rank_behind_receives_the_sources_state_over_gloo(free_port, bucket_by
         client = dist.TCPStore("127.0.0.1", store.port, is_master=False)  # one client per rank, as in a process
         groups = {plane: dist.ProcessGroupGloo(dist.PrefixStore(plane, client), r, 2, timedelta(seconds=30))
                   for plane in ("data", "control")}
-        route = transfer.Route({"cpu": transfer.p2p_on_backend(groups["data"])}, {"cpu": torch.device("cpu")},
+        data = transfer.p2p_on_backend(groups["data"])
+        route = transfer.Route({"cpu": transfer.via_host(data) if staged else data}, {"cpu": torch.device("cpu")},
                                transfer.p2p_on_backend(groups["control"]))
         if r == 0:
             transfer.send(snapshot(source, 5), [1], route, bucket_bytes)
