@@ -97,7 +97,7 @@ def local_loss(ft: ftrun.Session, t: Training, step: int, scale: float = 1.0) ->
     index = t.batches.share(step, ft.rank, ft.world_size).to(t.inputs.device)
     per_sample = F.mse_loss(t.model(t.inputs[index]), t.targets[index], reduction="none").mean(dim=1)
     loss = per_sample.sum() / t.batches.global_batch  # summed over ranks: the mean over the global batch
-    (loss * scale if scale != 1.0 else loss).backward()
+    ft.backward(loss, scale)  # loss.backward(), with the loss's sum over the ranks running beside it
     return loss
 
 

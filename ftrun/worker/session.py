@@ -26,6 +26,7 @@ from ftrun.protocol import Plan, initial_members
 from ftrun.store.client import open_client
 from ftrun.worker import backends, transfer
 from ftrun.worker.channel import AgentChannel
+from ftrun.worker.entered import EnteredNotice
 from ftrun.worker.injected import WorkerDrills
 from ftrun.worker.links import LinkFailure
 from ftrun.worker.interruptible import Superseded
@@ -73,6 +74,7 @@ class Session:
         self._step_started = 0.0
         self._drills = WorkerDrills()  # `ftrun inject exception|slow`, acted out at the start of a step
         self.channel: AgentChannel | None = None
+        self.entered: EnteredNotice | None = None
         self.collectives = StepCollectives(self._cond, self._entered)
         atexit.register(self._shut_down)
         if not self.managed:  # torch's own error handling: a failed collective ends the process, torchrun restarts
@@ -84,6 +86,7 @@ class Session:
         self.planes = Planes(self.store, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), self.uid,
                              self.backend, timeout)
         self.channel = AgentChannel(int(os.environ["FTRUN_CHANNEL_FD"]), self._on_message)
+        self.entered = EnteredNotice(lambda step: self.channel.send(protocol.ENTERED, step=step))
         faulthandler.register(protocol.STACK_DUMP_SIGNAL, all_threads=True)  # the agent's hang watchdog asks
         sizes = [int(n) for n in os.environ.get("FTRUN_NODE_SIZES", os.environ["WORLD_SIZE"]).split(",")]
         first = None if self.spare else Plan(0, initial_members(sizes))
@@ -191,6 +194,12 @@ class Session:
             self.redundancy.wait()  # the copy of the last step: no thread left in a collective at exit
         self.channel.send(protocol.FINISHED, step=self.committed_step)
 
+    def backward(self, loss: torch.Tensor, scale: float = 1.0) -> None:
+        """``loss.backward()`` (of ``loss * scale``), with the sum of ``loss`` over the ranks started first, so
+        that it runs beside the backward pass instead of after it; pass the same ``loss`` to :meth:`commit`."""
+        self.collectives.start_loss(loss, self._loss_group)
+        (loss * scale if scale != 1.0 else loss).backward()
+
     def commit(self, optimizer: torch.optim.Optimizer, loss: torch.Tensor | None = None) -> float | None:
         """Step ``optimizer`` if this step's collectives completed; returns the loss summed over ranks.
 
@@ -198,6 +207,8 @@ class Session:
         are dropped and :meth:`steps` yields the same step again after recovery.
         """
         ok, total = self.collectives.finish(loss, self._loss_group)
+        if self.entered is not None:
+            self.entered.left()
         if not ok:
             optimizer.zero_grad(set_to_none=True)
             return None
@@ -242,9 +253,9 @@ class Session:
                 return  # the group broke: the next step's collectives fail too and recovery follows
 
     def _entered(self) -> None:
-        """The step's first collective started: the agent's hang watchdog learns the rank is in a collective."""
-        if self.channel is not None:
-            self.channel.send(protocol.ENTERED, step=self._step)
+        """The step's first collective started: the agent's hang watchdog learns it if the step stays there."""
+        if self.entered is not None:
+            self.entered.entered(self._step)
 
     # -------------------------------------------------------------- watcher
     def _on_message(self, message: dict[str, Any]) -> None:
@@ -313,6 +324,8 @@ class Session:
         process being alive, a link failed, and the leader re-forms the group or excludes a member.
         """
         deadline = None if self.spare else time.monotonic() + self.recovery_timeout
+        if self.entered is not None:
+            self.entered.left()  # recovering, not waiting in a step's collectives
         with self._cond:
             unexplained = not self.spare and self._latest.gen <= self.gen and self.collectives.failed
         if unexplained:

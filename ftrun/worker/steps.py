@@ -41,6 +41,7 @@ class StepCollectives:
         self._entered_epoch = -1
         self._pending: dict[torch.futures.Future, torch.Tensor] = {}  # hook futures and their buckets
         self._callbacks = 0  # completion callbacks registered and not yet run
+        self._loss: tuple[int, torch.Tensor, torch.Tensor, dist.Work] | None = None  # started by start_loss
 
     # ------------------------------------------------------------------ steps
     def begin(self) -> None:
@@ -87,16 +88,36 @@ class StepCollectives:
         work.get_future().add_done_callback(finished)
         return result
 
+    def start_loss(self, loss: torch.Tensor, loss_group: Callable[[torch.Tensor], dist.ProcessGroup]) -> None:
+        """Start summing the step's ``loss`` over the ranks now (before its backward pass, which it then
+        overlaps); :meth:`finish` of the same ``loss`` waits for it instead of starting it."""
+        slot = loss.detach().reshape(1).to(torch.float64)
+        group = loss_group(slot)
+        try:
+            work = self.issue(lambda: group.allreduce([slot]))
+        except Superseded:
+            self.fail()
+            return
+        with self.cond:
+            self._loss = (self.epoch, loss, slot, work)
+
     def finish(self, loss: torch.Tensor | None, loss_group: Callable[[torch.Tensor], dist.ProcessGroup]) -> \
             tuple[bool, float | None]:
-        """Sum the step's loss over the ranks (on ``loss_group(loss)``), once ``backward()`` has all-reduced the
-        buckets. Returns whether every collective of the step completed, and the summed loss."""
+        """Sum the step's loss over the ranks (on ``loss_group(loss)``) once ``backward()`` has all-reduced the
+        buckets, unless :meth:`start_loss` started it. Returns whether every collective of the step
+        completed, and the summed loss."""
+        with self.cond:
+            started, self._loss = self._loss, None
         loss_slot: torch.Tensor | None = None
         if loss is not None:
-            loss_slot = loss.detach().reshape(1).to(torch.float64)
-            group = loss_group(loss_slot)
             try:
-                self.wait(self.issue(lambda: group.allreduce([loss_slot])))
+                if started is not None and started[0] == self.epoch and started[1] is loss:
+                    loss_slot, work = started[2], started[3]
+                else:
+                    loss_slot = loss.detach().reshape(1).to(torch.float64)
+                    group = loss_group(loss_slot)
+                    work = self.issue(lambda: group.allreduce([loss_slot]))
+                self.wait(work)
             except (CollectiveFailed, Superseded) as exc:
                 self.fail(error="" if isinstance(exc, Superseded) else _first_line(exc))
         with self.cond:
