@@ -3,8 +3,10 @@
 torch's store waits block in C++ until the key appears or their timeout passes (30 minutes for a process
 group): nothing can interrupt them. A process group formed for a plan that a newer one replaced (a member
 died at the barrier, or during the group's own rendezvous) would sit there for that long. This view polls
-instead, with a growing pause (1 ms up to 50 ms: quick to notice a key, cheap on the store when waiting
-long), and between polls asks whether the plan was superseded.
+instead, with a growing pause (1 ms up to 5 ms for the first second, the time a recovery's barrier and
+rendezvous take, then up to 50 ms: quick to notice a key, cheap on the store when waiting long), and between
+polls asks whether the plan was superseded. (A blocking wait with a short timeout would notice a key at once,
+but torch's client logs two warning lines at each of its timeouts.)
 
 torch calls a Python :class:`torch.distributed.Store` subclass back from C++ (its ``PythonStore``
 trampoline), so the view also serves as the store of ``init_process_group``: Gloo's rendezvous waits for each
@@ -20,6 +22,8 @@ from datetime import timedelta
 import torch.distributed as dist
 
 FIRST_PAUSE = 0.001
+QUICK_PAUSE = 0.005  # the longest pause within the first QUICK_WINDOW seconds of a wait
+QUICK_WINDOW = 1.0
 LONGEST_PAUSE = 0.05
 
 
@@ -43,15 +47,16 @@ class InterruptibleStore(dist.Store):
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         """Return once every key exists."""
         seconds = (timeout or self.inner.timeout).total_seconds()
-        deadline = time.monotonic() + seconds
+        started = time.monotonic()
         pause = FIRST_PAUSE
         while not self.inner.check(keys):
             if self.superseded():
                 raise Superseded(keys[0])
-            if time.monotonic() > deadline:
+            waited = time.monotonic() - started
+            if waited > seconds:
                 raise StoreTimeout(f"{keys} not all written within {seconds:g} s")
             time.sleep(pause)
-            pause = min(2 * pause, LONGEST_PAUSE)
+            pause = min(2 * pause, QUICK_PAUSE if waited < QUICK_WINDOW else LONGEST_PAUSE)
 
     def get(self, key: str) -> bytes:
         """The value of ``key``, once it is written."""

@@ -216,13 +216,13 @@ class Session:
             optimizer.step()
             self.committed_step = self._step
         optimizer.zero_grad(set_to_none=True)
+        if self.channel is not None:  # committed: the agent learns it before the work that follows a commit
+            self.channel.send(protocol.PROGRESS, gen=self.gen, step=self._step, time=time.time(),
+                              step_time=time.monotonic() - self._step_started)
         self._refresh()
         self._rebuild_buckets()
         if self.planes is not None and self.planes.stale:
             self._release_stale()
-        if self.channel is not None:
-            self.channel.send(protocol.PROGRESS, gen=self.gen, step=self._step, time=time.time(),
-                              step_time=time.monotonic() - self._step_started)
         return total
 
     def _refresh(self) -> None:
@@ -368,7 +368,6 @@ class Session:
                     continue
                 self.gen, self.members = plan.gen, plan.members
                 self.spare = False
-            self._release_stale()
             timings = {"abort": round(t0 - received, 6), "rendezvous": round(t1 - t0, 6),
                        "agree": round(t2 - t1, 6), "transfer": round(t3 - t2, 6)}
             self.channel.send(protocol.RECOVERED, gen=plan.gen, step=self.committed_step, timings=timings,
