@@ -156,10 +156,11 @@ def test_no_recovery_flag_gives_a_plain_group_failure_like_torchrun(launch):
 # ----------------------------------------------------------------------------------- late joiner
 def test_joiner_ready_when_the_survivors_have_finished_does_not_fail_the_job(launch, baseline):
     # The survivors finish all their steps, then wait (after the loop, e.g. saving a checkpoint) until
-    # the respawned worker is ready to join. Training is complete: the late joiner is not placed, and
-    # must not turn the run into a failure (nor, with --max-restarts, into a restart from scratch).
+    # the respawned worker is ready to join; it is held back until the three have left their loops.
+    # Training is complete: the late joiner is not placed, and must not turn the run into a failure (nor,
+    # with --max-restarts, into a restart from scratch).
     run = launch("--respawn", "--recovery-timeout", "5", *NO_WATCHDOG, faults="kill:5:2",
-                 wait="end:joiner_ready", script="await_train.py")
+                 wait="end:joiner_ready,joiner:left_loop*3", script="await_train.py")
     why = run.explain()
     assert run.returncode == 0, why
     assert not run.of("recovery_failed"), why

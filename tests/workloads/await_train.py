@@ -3,7 +3,8 @@
 FAULTS is read and planted as in faulty_train.py (in attempt 0 only, so a group restart runs clean).
 AWAIT (environment) is a comma list of WHEN:WHAT; a worker waits until
 the run's event log (FTRUN_RUN_DIR/events.jsonl) holds an event WHAT (an event name, or `joined`: a
-"generation" event with joiners; `NAME*N`: at least N events NAME):
+"generation" event with joiners; `NAME*N`: at least N events NAME; `left_loop*N`: N members have left their
+step loop, each marked by a file FTRUN_RUN_DIR/left_loop.<uid> it writes before its `end` wait):
   WHEN = STEP    every member waits before step STEP (before that step's planted fault), once
   WHEN = end     every member waits after its last step, before it exits
   WHEN = joiner  a joiner (spare or respawned worker) waits before entering Session.steps()
@@ -32,6 +33,8 @@ def logged(what: str) -> bool:
     """Whether the event log holds the event ``what`` (or, for `joined`, a generation with joiners)."""
     what, _, count = what.partition("*")
     wanted = int(count or 1)
+    if what == "left_loop":
+        return len(list(EVENTS.parent.glob("left_loop.*"))) >= wanted
     try:
         lines = EVENTS.read_text().splitlines()
     except FileNotFoundError:
@@ -73,6 +76,7 @@ def main() -> None:
         loss = EXAMPLE.train_step(ft, training, step)
         if loss is not None:
             print(f"commit uid={UID} rank={ft.rank} world={ft.world_size} step={step} loss={loss:.12g}", flush=True)
+    (EVENTS.parent / f"left_loop.{UID}").touch()  # after Session.steps() told the agent the loop is over
     for when, what in AWAIT:
         if when == "end":
             wait_for(what)
