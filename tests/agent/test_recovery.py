@@ -53,9 +53,11 @@ def test_second_fault_during_recovery_is_folded_into_the_same_recovery(launch, b
 
 
 def test_respawned_worker_rejoins_with_a_peers_state_and_world_returns_to_4(launch, baseline):
-    # The survivors wait before step 8 until the joiner has been placed (an event in the log), so the
-    # rejoin happens at a known step however long the new process takes to import torch.
-    run = launch("--respawn", *NO_WATCHDOG, faults="kill:5:2", wait="8:joined", script="await_train.py")
+    # The survivors wait before step 8 until the joiner has been placed (an event in the log), and the
+    # joiner waits until they are there, so the rejoin happens at a known step however long (or short) the
+    # new process takes to start.
+    run = launch("--respawn", *NO_WATCHDOG, faults="kill:5:2", wait="8:joined,joiner:at_8*3",
+                 script="await_train.py")
     check_in_place(run, baseline, lost={2: -9}, fault_step=5, respawned=(4,))
     why = run.explain()
     joins = [r for r in run.of("recovery") if r["kind"] == "join"]

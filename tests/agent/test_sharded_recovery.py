@@ -47,6 +47,42 @@ def test_spare_takes_over_a_lost_shard_and_world_stays_4(launch, fsdp_baseline):
     assert [c.step for c in run.commits()[4]] == list(range(5, STEPS)), run.explain()
 
 
+def test_respawned_worker_takes_its_shard_from_the_survivors_memory_and_world_returns_to_4(launch, fsdp_baseline):
+    # rank 2 dies: the 3 survivors reshard and train on; its replacement joins before step 8 (the survivors
+    # wait there for it, and it waits for them to be there), and the state is resharded over 4 again, the
+    # newcomer's shard from its peers' memory
+    run = launch("--respawn", *NO_WATCHDOG, faults="kill:5:2", wait="8:joined,joiner:at_8*3",
+                 script="await_train.py", example=FSDP)
+    check_in_place(run, fsdp_baseline, lost={2: -9}, fault_step=5, respawned=(4,))
+    why = run.explain()
+    (join,) = [r for r in run.of("recovery") if r["kind"] == "join"]
+    assert (join["world_before"], join["world_after"], join["joiners"]) == (3, 4, [4]), why
+    assert join["steps_lost"] == 0 and join["resumed_at_step"] == 8, why
+    commits = run.commits()
+    assert [c.step for c in commits[4]] == list(range(8, STEPS)), why
+    assert all(c.world == NPROC and c.loss == pytest.approx(fsdp_baseline[c.step], rel=RTOL) for c in commits[4]), why
+
+
+def test_a_rank_and_its_buddy_lost_together_fall_back_to_a_group_restart_in_one_line(launch, fsdp_baseline):
+    # rank 2 dies at step 5, and its buddy (rank 3, which holds the only copy of its shard) dies as the
+    # recovery begins: no memory holds shard 2. The survivors say so, the agent restarts the group, and the
+    # restart trains from step 0 (a sharded job writes no rescue: one shard is no state to restart from)
+    run = launch("--max-restarts", "1", faults="kill:5:2,recovery:5:3", example=FSDP)
+    why = run.explain()
+    assert run.returncode == 0, why
+    assert not run.of("recovery"), why
+    (failed,) = run.of("recovery_failed")
+    assert "a rank and its buddy were lost together" in failed["reason"], why
+    lines = [line for line in run.stderr.splitlines() if "a rank and its buddy were lost together" in line]
+    assert len(lines) == 1 and "restarting the group (restart 1 of 1)" in lines[0], why
+    assert [(e["attempt"], e["succeeded"]) for e in run.of("attempt_end")] == [(0, False), (1, True)], why
+    restarted = run.commits(attempt=1)
+    assert set(restarted) == set(range(NPROC)), why
+    for uid, commits in restarted.items():
+        assert [c.step for c in commits] == list(range(STEPS)), f"uid {uid}\n{why}"
+        assert all(c.loss == fsdp_baseline[c.step] for c in commits), f"uid {uid}\n{why}"  # a fresh run
+
+
 def test_kill_during_a_refresh_returns_to_the_previous_complete_copy_and_replays_one_step(launch, fsdp_baseline):
     # uid 1 dies in the copy of committed step 5 to its buddy: that copy never completes, so the newest
     # step every shard is held at is 4; the survivors return to it from their snapshots and replay step 5.

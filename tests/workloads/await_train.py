@@ -3,8 +3,9 @@
 FAULTS is read and planted as in faulty_train.py (in attempt 0 only, so a group restart runs clean).
 AWAIT (environment) is a comma list of WHEN:WHAT; a worker waits until
 the run's event log (FTRUN_RUN_DIR/events.jsonl) holds an event WHAT (an event name, or `joined`: a
-"generation" event with joiners; `NAME*N`: at least N events NAME; `left_loop*N`: N members have left their
-step loop, each marked by a file FTRUN_RUN_DIR/left_loop.<uid> it writes before its `end` wait):
+"generation" event with joiners; `NAME*N`: at least N events NAME; `at_STEP*N`: N members wait before step
+STEP; `left_loop*N`: N members have left their step loop; each such mark is a file FTRUN_RUN_DIR/<mark>.<uid>
+a member writes as it begins that wait):
   WHEN = STEP    every member waits before step STEP (before that step's planted fault), once
   WHEN = end     every member waits after its last step, before it exits
   WHEN = joiner  a joiner (spare or respawned worker) waits before entering Session.steps()
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -26,6 +28,7 @@ import faulty_train  # noqa: E402
 from faulty_train import EXAMPLE, UID, ftrun  # noqa: E402
 
 AWAIT = [tuple(a.split(":", 1)) for a in os.environ.get("AWAIT", "").split(",") if a]
+MARK = re.compile(r"left_loop|at_\d+")
 EVENTS = Path(os.environ.get("FTRUN_RUN_DIR", ".")) / "events.jsonl"
 
 
@@ -33,8 +36,8 @@ def logged(what: str) -> bool:
     """Whether the event log holds the event ``what`` (or, for `joined`, a generation with joiners)."""
     what, _, count = what.partition("*")
     wanted = int(count or 1)
-    if what == "left_loop":
-        return len(list(EVENTS.parent.glob("left_loop.*"))) >= wanted
+    if MARK.fullmatch(what):
+        return len(list(EVENTS.parent.glob(f"{what}.*"))) >= wanted
     try:
         lines = EVENTS.read_text().splitlines()
     except FileNotFoundError:
@@ -71,6 +74,7 @@ def main() -> None:
         for when, what in AWAIT:
             if when.isdigit() and int(when) == step and step not in waited:
                 waited.add(step)
+                (EVENTS.parent / f"at_{step}.{UID}").touch()
                 wait_for(what)
         faulty_train.plant_due(step, planted, training)
         loss = EXAMPLE.train_step(ft, training, step)
