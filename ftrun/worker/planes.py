@@ -58,6 +58,9 @@ def _shut_down(fds: set[int]) -> None:
             pass  # already closed by its owner
 
 
+EXIT_ABORT_WAIT = 60.0  # seconds an exiting worker waits for aborts still running (NCCL's take about one)
+
+
 @dataclass
 class Generation:
     """One generation's groups: ``data`` is the default group, ``control`` a Gloo group beside it."""
@@ -172,7 +175,7 @@ class Planes:
 
     def destroy(self) -> None:
         """At exit: shut the current planes down, so no backend thread runs into the interpreter's teardown."""
-        self.wait_aborts(self.timeout.total_seconds())
+        self.wait_aborts(min(self.timeout.total_seconds(), EXIT_ABORT_WAIT))
         if self.current is not None:
             backends.shut_down(self.current.control)
         if dist.is_initialized():
