@@ -116,6 +116,9 @@ def forget_groups(aborting: list[threading.Thread]) -> None:
     c10d._update_default_pg(None)
     for name in REGISTRY:
         getattr(c10d._world, name).clear()
+    comms = getattr(c10d._world, "comms", None)  # torchcomms communicators, which destroy_process_group
+    if comms is not None:                         # would finalize: aborted, they are only let go
+        comms.clear()
     unregister = getattr(c10d, "_unregister_all_process_groups", None)
     if unregister is not None:
         unregister()
