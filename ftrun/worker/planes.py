@@ -12,7 +12,7 @@ One store barrier per generation (which a newer plan can interrupt), then both p
 its own store prefix: no second rendezvous in series.
 
 The stale generation is aborted on both planes at once when the next plan arrives, from the channel
-thread: every data group's ``abort`` on a thread of its own (NCCL's takes about a second to tear a
+thread: on NCCL every data group's ``abort`` on a thread of its own (it takes about a second to tear a
 communicator down, and the next generation forms meanwhile), and for every Gloo group the shutdown of the
 generation's own TCP connections (Gloo's ``abort`` is a no-op, and torch's in-place ``_reconfigure`` on
 Gloo leaves the collectives in flight blocked: tests/test_torch_reconfigure.py). Every collective in
@@ -183,10 +183,16 @@ class Planes:
         self.current = None
 
     def _retire(self) -> None:
-        """Take the aborted groups out of torch.distributed, so the next default group can be formed
-        while their aborts still run."""
-        if dist.is_initialized():
-            backends.forget_groups([thread for generation in self._aborted for thread in generation.aborts])
+        """Take the aborted groups out of torch.distributed, so the next default group can be formed: where
+        they were aborted on threads (NCCL), while those still run; else (Gloo, whose connections were shut
+        down) by destroying them."""
+        if not dist.is_initialized():
+            return
+        aborting = [thread for generation in self._aborted for thread in generation.aborts]
+        if aborting:
+            backends.forget_groups(aborting)
+        else:
+            dist.destroy_process_group()
 
     def _form(self, name: str, gen: int, rank: int | None, world_size: int,
               superseded: Callable[[], bool] = lambda: False) -> None:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from runs import read_run
 
 from ftrun.protocol import STACK_DUMP_SIGNAL, Plan
+from ftrun.worker import backends
 from ftrun.worker.planes import Planes
 
 STRICT = re.compile(r"commit uid=(\d+) rank=(\d+) world=(\d+) step=(\d+) loss=(\S+) sum=(\S+)$")
@@ -72,6 +73,7 @@ def test_the_next_generation_forms_while_the_last_ones_abort_still_runs(free_por
     # NCCL's abort takes about a second to tear a communicator down (0.95 s on an H200): the next generation
     # must not wait for it. The backend's abort is made to block until released, in place of NCCL's.
     released = threading.Event()
+    monkeypatch.setattr(backends, "ABORTING", ("gloo",))  # abort the Gloo data group as NCCL's is aborted
     monkeypatch.setattr(dist.ProcessGroup, "abort", lambda group: released.wait(60))
     store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
     planes = Planes(store, attempt=0, uid=0, backend="gloo", timeout=timedelta(seconds=30))
