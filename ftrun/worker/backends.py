@@ -71,11 +71,15 @@ def init_options(backend: str) -> dict[str, Any]:
     return {}
 
 
+ABORTING = ("nccl",)
+"""The backends whose ``abort()`` fails the collectives in flight (Gloo's does nothing)."""
+
 def abort(group: dist.ProcessGroup) -> list[threading.Thread]:
     """Start failing every collective in flight on the data plane where its backend aborts (NCCL): each group
-    torch.distributed holds is aborted on a thread of its own (``ncclCommAbort``). Returns those threads. NCCL's abort frees a kernel waiting for a dead peer at once but takes about
-    a second to tear the communicator down (0.95-0.98 s on an H200, NCCL 2.28.9, with nothing in flight):
-    the next generation forms meanwhile (:func:`forget_groups`), not after it."""
+    torch.distributed holds is aborted on a thread of its own (``ncclCommAbort``). Returns those threads.
+    NCCL's abort frees a kernel waiting for a dead peer at once but takes about a second to tear the
+    communicator down (0.95-0.98 s on an H200, NCCL 2.28.9, with nothing in flight): the next generation
+    forms meanwhile (:func:`forget_groups`), not after it."""
     if not dist.is_initialized() or group is not dist.group.WORLD:
         return []  # already replaced: nothing of it is in flight any more
     if not any(name in str(dist.get_backend(group)) for name in ABORTING):
@@ -97,9 +101,6 @@ def _abort_group(group: dist.ProcessGroup) -> None:
             return  # no backend that can abort: a CPU group, shut down by its connections
     aborting()
 
-
-ABORTING = ("nccl",)
-"""The backends whose ``abort()`` fails the collectives in flight (Gloo's does nothing)."""
 
 REGISTRY = ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag", "tags_to_pg",
             "pg_coalesce_state")

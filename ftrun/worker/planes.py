@@ -167,8 +167,7 @@ class Planes:
     def wait_aborts(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the aborts of the aborted generations; whether all are done."""
         deadline = time.monotonic() + timeout
-        with self._lock:
-            threads = [thread for generation in self._aborted for thread in generation.aborts]
+        threads = self._abort_threads()
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
         return not any(thread.is_alive() for thread in threads)
@@ -182,13 +181,18 @@ class Planes:
             dist.destroy_process_group()
         self.current = None
 
+    def _abort_threads(self) -> list[threading.Thread]:
+        """The abort threads started for the aborted generations (none on Gloo)."""
+        with self._lock:
+            return [thread for generation in self._aborted for thread in generation.aborts]
+
     def _retire(self) -> None:
         """Take the aborted groups out of torch.distributed, so the next default group can be formed: where
         they were aborted on threads (NCCL), while those still run; else (Gloo, whose connections were shut
         down) by destroying them."""
         if not dist.is_initialized():
             return
-        aborting = [thread for generation in self._aborted for thread in generation.aborts]
+        aborting = self._abort_threads()
         if aborting:
             backends.forget_groups(aborting)
         else:
