@@ -18,7 +18,9 @@ from ftrun.health.signals import Action
 from ftrun.launcher.hosts import (MAX_WORKERS_PER_NODE, Host, is_local, listen_address, parse_host_list,
                                   read_hostfile)
 from ftrun.launcher.slurm import slurm_node
+from ftrun.store import etcd as etcd_backend
 from ftrun.store.auth import SECRET_FILE_VARIABLE, new_secret, read_secret_file
+from ftrun.store.etcd import EtcdOptions
 from ftrun.store.leases import fence_margin
 
 def parse_std_spec(spec: str, flag: str, nproc: int) -> dict[int, int]:
@@ -193,6 +195,9 @@ class LaunchConfig:
     """Xid code -> (action, description): ftrun.health.policy.DEFAULT_TABLE with --xid-policy's overrides."""
     resume_from: Path | None = None
     """--resume-from: the run directory of an earlier launch whose saved state this one starts from."""
+    etcd: EtcdOptions | None = None
+    """--rdzv-backend etcd: ftrun's own keys live in this etcd cluster (the process groups' rendezvous goes through
+    the TCPStore node 0 hosts, whose address node 0 publishes there)."""
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -315,8 +320,9 @@ def build_config(
         rdzv_endpoint, rdzv_backend = f"{slurm.head}:29400", "c10d"
     if start_method not in ("spawn", "fork", "forkserver"):
         raise UsageError(f"--start-method {start_method!r} is not valid: use spawn, fork or forkserver")
-    if rdzv_backend not in ("static", "c10d"):
-        raise UsageError(f"--rdzv-backend {rdzv_backend!r} is not supported: use c10d or static (ftrun hosts the store)")
+    if rdzv_backend not in ("static", "c10d", *etcd_backend.BACKENDS):
+        raise UsageError(f"--rdzv-backend {rdzv_backend!r} is not supported: use c10d or static (ftrun hosts the "
+                         "store), or etcd / etcd-v2 (an etcd cluster holds it)")
     if max_restarts < 0:
         raise UsageError("--max-restarts must be 0 or more")
     if not 0 < monitor_interval < math.inf:
@@ -328,6 +334,13 @@ def build_config(
     nproc = resolve_nproc(nproc_per_node)
     if standalone and max_nodes > 1:
         raise UsageError("--standalone is for one node: remove it, or --nnodes/--hostfile")
+    etcd = None
+    if rdzv_backend in etcd_backend.BACKENDS:
+        etcd = _etcd(rdzv_endpoint, rdzv_id, rdzv_conf, multinode=max_nodes > 1, hostfile=hosts is not None)
+        # the process groups' store is node 0's (as with static): on a free port unless --master-port says
+        rdzv_backend, rdzv_endpoint = "static", ""
+        if max_nodes > 1:
+            master_addr, master_port = master_addr or socket.getfqdn(), master_port or 0
     store, addr = _store_endpoint(rdzv_backend, rdzv_endpoint, master_addr or "127.0.0.1", master_port, standalone)
     node_sizes: tuple[int, ...] = ()
     if hosts is not None:
@@ -340,6 +353,8 @@ def build_config(
         rdzv_backend = "c10d"
     else:
         run_id = rdzv_id
+    if etcd is not None:
+        run_id, rdzv_backend = etcd.run_id, "etcd"
     multinode = max_nodes > 1 or hosts is not None
     serves_store = hosts is not None or node_rank == 0  # this process hosts the store: it listens
     store_listen = bind or (listen_address(store.host, multinode) if serves_store else "")
@@ -410,6 +425,7 @@ def build_config(
         hosts=hosts,
         xid_table=xid_table,
         resume_from=resume_dir,
+        etcd=etcd,
     )
 
 
@@ -424,9 +440,27 @@ def _hosts(hostfile: str | None, host_list: str | None, *, nnodes: int, node_ran
     return read_hostfile(hostfile) if hostfile is not None else parse_host_list(host_list)
 
 
+def _etcd(endpoints: str, rdzv_id: str, rdzv_conf: str, *, multinode: bool, hostfile: bool) -> EtcdOptions:
+    """The etcd backend's options; a job on one node without a --rdzv-id gets a run id of its own."""
+    if hostfile:
+        raise UsageError("--rdzv-backend etcd with --hostfile is not supported yet: start each node itself "
+                         "(scheduler mode: --nnodes, --node-rank, the same --rdzv-id on every node)")
+    if not endpoints:
+        raise UsageError("--rdzv-backend etcd needs the cluster's --rdzv-endpoint h1:2379[,h2:2379,...]")
+    if rdzv_id == "none" and multinode:
+        raise UsageError("--rdzv-backend etcd: give every node the same --rdzv-id (the job's keys in etcd are "
+                         "under it)")
+    run_id = str(uuid.uuid4()) if rdzv_id == "none" else rdzv_id
+    if not run_id.replace("-", "").replace("_", "").replace(".", "").isalnum() or len(run_id) > 128:
+        raise UsageError(f"--rdzv-id {run_id[:40]!r}: with etcd, use letters, digits, '-', '_' and '.' (at most "
+                         "128)")
+    return etcd_backend.etcd_options(endpoints, run_id, parse_rdzv_conf(rdzv_conf))
+
+
 def parse_rdzv_conf(text: str) -> dict[str, str]:
-    """--rdzv-conf ``KEY=VALUE,...``. ftrun reads one key, ``bind``: the address the store listens on, given
-    as an IP address (``0.0.0.0`` or ``::`` for every interface); torchrun's other keys are accepted and unused."""
+    """--rdzv-conf ``KEY=VALUE,...``. ftrun reads ``bind``: the address the store listens on, given as an IP
+    address (``0.0.0.0`` or ``::`` for every interface), and with etcd the keys of
+    :data:`ftrun.store.etcd.CONF_KEYS`; torchrun's other keys are accepted and unused."""
     conf = {}
     for item in filter(None, text.split(",")):
         key, equals, value = item.partition("=")

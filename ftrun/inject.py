@@ -24,7 +24,7 @@ from ftrun.errors import NoSuchJob, UsageError
 from ftrun.lines import LineBuffer
 from ftrun.protocol import DRILL_KINDS
 from ftrun.store import keys
-from ftrun.store.client import STORE_START_WAIT, connect_job, parse_endpoint
+from ftrun.store.client import STORE_START_WAIT, check_endpoint, connect_job
 from ftrun.store.job import JobStore, MalformedValue
 
 CHAOS_KINDS = ("kill", "hang", "exception", "xid", "ecc")
@@ -86,7 +86,7 @@ def job_store(run_id: str | None, endpoint: str | None, secret_file: str | None)
     if endpoint:
         if run_id:
             raise UsageError("--endpoint names the job already; drop --run-id")
-        parse_endpoint(endpoint)
+        check_endpoint(endpoint)
         return connect_job(endpoint, None, secret_file)
     if secret_file:
         raise UsageError("--secret-file goes with --endpoint: a job running here is found with its secret")

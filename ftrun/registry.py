@@ -30,11 +30,12 @@ class RunEntry:
     run_dir: str
     started: float
     secret: str = field(repr=False)  # the run's secret: signs what its clients write to its store
+    store_url: str | None = None  # an etcd job's store (etcd://...): ftrun's own keys are there
 
     @property
     def endpoint(self) -> str:
-        """HOST:PORT of the job's store."""
-        return f"{self.host}:{self.port}"
+        """Where the job's records are: HOST:PORT of its TCPStore, or its etcd URL."""
+        return self.store_url or f"{self.host}:{self.port}"
 
 
 def default_runs_root() -> Path:
@@ -116,10 +117,11 @@ def find(run_id: str) -> list[RunEntry]:
     return [e for e in running() if run_id in (e.run_id, e.rdzv_id)]
 
 
-def new_entry(run_id: str, rdzv_id: str, host: str, port: int, run_dir: Path, secret: str) -> RunEntry:
+def new_entry(run_id: str, rdzv_id: str, host: str, port: int, run_dir: Path, secret: str,
+              store_url: str | None = None) -> RunEntry:
     """The entry for the launch running in this process."""
     return RunEntry(run_id=run_id, rdzv_id=rdzv_id, host=host, port=port, pid=os.getpid(), run_dir=str(run_dir),
-                    started=psutil.Process().create_time(), secret=secret)
+                    started=psutil.Process().create_time(), secret=secret, store_url=store_url)
 
 
 def only_running(run_id: str | None, elsewhere: str) -> RunEntry:

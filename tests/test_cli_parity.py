@@ -120,7 +120,7 @@ REFUSED = [  # (flags, the one line's words, how the README's list names it)
     (["--duplicate-stderr-filters", "loss"], "--duplicate-stderr-filters is not supported",
      "--duplicate-stderr-filters"),
     (["--event-log-handler", "console"], "--event-log-handler console is not supported", "--event-log-handler"),
-    (["--rdzv-backend", "etcd"], "--rdzv-backend 'etcd' is not supported", "--rdzv-backend"),
+    (["--rdzv-backend", "zookeeper"], "--rdzv-backend 'zookeeper' is not supported", "--rdzv-backend"),
     (["--nproc-per-node", "xpu"], "--nproc-per-node 'xpu' is not valid", "--nproc-per-node xpu"),
     (["--print-completion", "tcsh"], "--print-completion tcsh", "--print-completion tcsh"),
 ]

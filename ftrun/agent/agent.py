@@ -8,6 +8,7 @@ by the attempt's coordination: the leader's (node 0) or a follower's.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import selectors
 import signal
@@ -35,7 +36,7 @@ from ftrun.agent.shutdown import OnSignal, on_signal, schedule
 from ftrun.agent.status_record import RunInfo, StatusPublisher
 from ftrun.agent.stopper import Stopper
 from ftrun.agent.workers import Worker, WorkerSlot
-from ftrun.config import LaunchConfig
+from ftrun.config import Endpoint, LaunchConfig
 from ftrun.console import Console
 from ftrun.errors import EXIT_OK, EXIT_SIGNAL_BASE, EXIT_WORKERS_FAILED, UsageError
 from ftrun.events import EventLog
@@ -44,6 +45,7 @@ from ftrun.processes import SignalWake, signal_name
 from ftrun.store import keys
 from ftrun.store.auth import Seal, write_secret_file
 from ftrun.store.client import open_client_retrying
+from ftrun.store.etcd import EtcdKeyValue
 from ftrun.store.host import StoreHost
 from ftrun.store.job import JobStore
 from ftrun.store.kv import KeyValue
@@ -88,6 +90,7 @@ class Agent:
         self.result = AttemptResult()  # how the current attempt is going
         self.attempt_failure: str | None = None  # set by end_attempt: why the current attempt is being ended
         self.store: JobStore | None = None  # the agent's own store handle, once the store is served
+        self.group_store: JobStore | None = None  # the process groups' TCPStore, where this agent serves it
         self.store_lifeline: int | None = None  # the store's process (forked by the fork server) lives while this is open
         self.coordination: Coordination | None = None  # one per attempt, made before its event loop starts
         self.mail: MailReader | None = None
@@ -165,8 +168,9 @@ class Agent:
 
     def _register(self) -> Path | None:
         """Enter this launch in the run registry; a registry that cannot be written (a full disk) is said once."""
-        entry = registry.new_entry(self.run_dir.name, self.config.run_id, self.config.master_addr,
-                                   self.config.store.port, self.run_dir, self.config.secret)
+        config = self.config
+        entry = registry.new_entry(self.run_dir.name, config.run_id, config.master_addr, config.store.port,
+                                   self.run_dir, config.secret, config.etcd.url() if config.etcd else None)
         try:
             return registry.register(entry)
         except OSError as exc:
@@ -176,6 +180,8 @@ class Agent:
 
     def _run_attempts(self, mail_w: int) -> int:
         self.pool.start_fork_server()
+        if self.config.etcd is not None and self.config.store.port == 0:
+            self._find_group_store()
         while True:
             self._start_group()  # waits for the fork server: it serves the store too
             if self.store is None:  # registered once it answers
@@ -212,7 +218,7 @@ class Agent:
                 if refused is None:
                     self.restart_count += 1
                     self.restarted_after = min((f.when for f in result.failures), default=time.time())
-                    self.store.clear_worker_keys()  # the new group must not read the old one's addresses
+                    self.group_store.clear_worker_keys()  # the new group must not read the old one's addresses
                     self.console.notice(
                         f"ftrun: {result.reason}; restarting the group "
                         f"(restart {self.restart_count} of {self.config.max_restarts})", style="bold yellow")
@@ -236,17 +242,31 @@ class Agent:
             self.console.notice(text, style=style)
 
     def _connect(self, timeout: float = STORE_TIMEOUT) -> JobStore:
-        """A new client connection to the job's store."""
+        """A new client connection to ftrun's keys in the job's store: the etcd cluster with that backend, else
+        the TCPStore (torch-free, so a mailbox reader's waits on its bell can be interrupted at stop and time
+        out without a log line)."""
+        if self.config.etcd is not None:
+            return JobStore(EtcdKeyValue(self.config.etcd, timeout), self.seal)
         return JobStore(StoreClient(self._store_host(), self.config.store.port, timeout), self.seal)
-
-    def _connect_reader(self) -> JobStore:
-        """A connection for the mailbox reader: torch-free, so its waits on the bell can be interrupted at stop
-        and time out without a log line."""
-        return JobStore(StoreClient(self._store_host(), self.config.store.port, STORE_TIMEOUT), self.seal)
 
     def _store_host(self) -> str:
         """Where this agent reaches the job's store."""
         return self.store_host.client_host if self.store_host is not None else self.config.store.host
+
+    def _find_group_store(self) -> None:
+        """With etcd, a node other than 0 learns there where node 0 serves the process groups' store, before it
+        starts workers (they rendezvous through it)."""
+        where = self._connect().read_group_store(0.0)
+        if where is None:
+            self.console.progress(f"waiting for node 0 to say where it serves the process groups' store: up to "
+                                  f"{STORE_TIMEOUT:.0f} s")
+            where = self._connect().read_group_store(STORE_TIMEOUT)
+            self.console.progress(None)
+        if where is None:
+            raise UsageError(f"node 0 did not publish its store in etcd ({self.config.etcd.describe()}, run id "
+                             f"{self.config.run_id}) within {STORE_TIMEOUT:.0f} s: is it running, with the same "
+                             "--rdzv-id?")
+        self.config = self.pool.config = dataclasses.replace(self.config, store=Endpoint(*where), master_addr=where[0])
 
     def _serve_hosted(self) -> KeyValue:
         """Serve the store this agent hosts from a process the fork server forks (torch is imported there, so
@@ -266,9 +286,14 @@ class Agent:
         """Serve the store (or connect to it), and start this node's mailbox reader and lease."""
         config = self.config
         if self.store_host is not None:
-            store = JobStore(self._serve_hosted(), self.seal)
+            store = self.group_store = JobStore(self._serve_hosted(), self.seal)
+            if config.etcd is not None:
+                store = self._connect()
+                store.publish_group_store(config.store.host, config.store.port)
         elif self.leader:
-            store = self._connect()
+            store = self.group_store = self._connect()
+        elif config.etcd is not None:  # calls short enough to fence in time, as below
+            store = self._connect(fence_margin(config.node_timeout) / 2)
         else:  # calls short enough that its loop, cut off, still fences itself before the leader evicts it
             where = f"{config.store.host}:{config.store.port}"
             store = JobStore(open_client_retrying(
@@ -284,7 +309,7 @@ class Agent:
         senders = [keys.node_box(n) for n in range(1, config.min_nodes)] if self.leader else [keys.LEADER_BOX]
         if self.leader and config.under_launcher:
             senders.append(keys.LAUNCHER)
-        self.mail = MailReader(self._connect_reader, keys.node_box(config.node_rank), mail_w, protocol.mail_problem,
+        self.mail = MailReader(self._connect, keys.node_box(config.node_rank), mail_w, protocol.mail_problem,
                                tuple(senders))
         self.outbox = Outbox(store, keys.node_box(config.node_rank))
         self.mail.start()

@@ -11,7 +11,7 @@ from ftrun import registry
 from ftrun.errors import NoSuchJob, UsageError
 from ftrun.events import read_events
 from ftrun.status.document import ended_document, live_document
-from ftrun.store.client import STORE_START_WAIT, connect_job, parse_endpoint
+from ftrun.store.client import STORE_START_WAIT, check_endpoint, connect_job
 from ftrun.store.job import JobStore, MalformedValue
 
 FIRST_RECORD_WAIT = 5.0
@@ -74,7 +74,7 @@ def find_targets(endpoint: str | None, run_id: str | None, log_dir: Path | None,
     directory), --log-dir, or the only job running on this machine. Raises NoSuchJob, with what was looked
     at, when there is none, and UsageError, listing them, when several jobs running here would match."""
     if endpoint:
-        parse_endpoint(endpoint)
+        check_endpoint(endpoint)
         return [Target(endpoint, None, secret_file=secret_file)]
     if secret_file:
         raise UsageError("--secret-file goes with --endpoint: a job running here is found with its secret")

@@ -12,8 +12,10 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from ftrun.errors import NoSuchJob, UsageError
+from ftrun.store import etcd, keys
 from ftrun.store.auth import Seal, secret_for_endpoint
 from ftrun.store.job import JobStore
+from ftrun.store.kv import KeyValue
 from ftrun.store.wire import StoreClient, StoreError
 
 if TYPE_CHECKING:
@@ -67,12 +69,28 @@ STORE_START_WAIT = 30.0
 and its store is served once its agent has imported torch, seconds later on a busy machine."""
 
 
-def connect(endpoint: str, timeout: float = 5.0, connect_timeout: float | None = None) -> StoreClient:
-    """A client connection to the store of the job at HOST:PORT, without torch; NoSuchJob (one line) when
-    nothing there answers as a TCPStore within ``connect_timeout`` (default ``timeout``) seconds.
+def check_endpoint(endpoint: str) -> None:
+    """UsageError unless ``endpoint`` names a job's store: HOST:PORT, or an ``etcd://`` URL."""
+    if endpoint.startswith(etcd.SCHEME):
+        etcd.parse_url(endpoint)
+    else:
+        parse_endpoint(endpoint)
+
+
+def connect(endpoint: str, timeout: float = 5.0, connect_timeout: float | None = None) -> KeyValue:
+    """A client connection to the store of the job at HOST:PORT (without torch), or at an ``etcd://`` URL;
+    NoSuchJob (one line) when nothing there answers within ``connect_timeout`` (default ``timeout``) seconds.
 
     Pass STORE_START_WAIT for a job found in this machine's registry.
     """
+    if endpoint.startswith(etcd.SCHEME):
+        options = etcd.parse_url(endpoint)
+        kv = etcd.EtcdKeyValue(options, timeout)
+        try:
+            kv.check([keys.JOB])
+        except etcd.EtcdUnavailable as exc:
+            raise NoSuchJob(f"cannot reach the job's etcd at {options.describe()}: {exc}") from None
+        return kv
     host, port = parse_endpoint(endpoint)
     try:
         return StoreClient(host, port, timeout, connect_timeout)
@@ -82,7 +100,7 @@ def connect(endpoint: str, timeout: float = 5.0, connect_timeout: float | None =
 
 def connect_job(endpoint: str, secret: str | None, secret_file: str | None = None,
                 connect_timeout: float | None = None) -> JobStore:
-    """The store of the job at HOST:PORT, read and written with the run's ``secret`` (None: the one in
+    """The store of the job at HOST:PORT (or an ``etcd://`` URL), read and written with the run's ``secret`` (None: the one in
     ``secret_file`` or FTRUN_SECRET_FILE). NoSuchJob when nobody answers there, before any secret is asked for."""
     kv = connect(endpoint, connect_timeout=connect_timeout)
     return JobStore(kv, Seal(secret or secret_for_endpoint(secret_file, endpoint)))

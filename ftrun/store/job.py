@@ -83,6 +83,21 @@ class JobStore:
                 return None
         return self._get_if_there(key)
 
+    def publish_group_store(self, host: str, port: int) -> None:
+        """Where node 0 serves the process groups' TCPStore (with the etcd backend, the other nodes learn it here)."""
+        self._set(keys.GROUP_STORE, {"host": host, "port": port})
+
+    def read_group_store(self, wait: float) -> tuple[str, int] | None:
+        """Where node 0 serves the process groups' TCPStore, waiting up to ``wait`` s; None if it did not say
+        (or what is there is not a host and a port)."""
+        try:
+            where = self._read_waiting(keys.GROUP_STORE, wait)
+        except MalformedValue:
+            return None
+        if where is None or not isinstance(where.get("host"), str) or type(where.get("port")) is not int:
+            return None
+        return where["host"], where["port"]
+
     # ------------------------------------------------------------ mailboxes
     def post(self, box: str, message: dict[str, Any]) -> int:
         """Append the command ``message`` to mailbox ``box`` (from any client); returns its index.

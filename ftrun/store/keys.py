@@ -18,6 +18,7 @@ Every value of ftrun's own (sealed: an HMAC of key and value under the run's sec
 ``ftrun/reply/<token>``               sealed: the answer to a command that carried ``reply_to = token``
 ``ftrun/lease/<n>``                   sealed: how often node ``n``'s agent renewed its lease
 ``ftrun/evicted/<n>``                 sealed: set by the leader once it declared node ``n`` lost
+``ftrun/group_store``                 sealed: where node 0 serves the process groups' TCPStore (etcd backend)
 ``ftrun/a<a>/gen``                    sealed: the current generation of attempt ``a``
 ``ftrun/a<a>/plan/<g>``               sealed: the plan of generation ``g``
 ``ftrun/a<a>/g<g>/arrived/<uid>``     worker ``uid`` reached generation ``g``'s barrier
@@ -35,6 +36,7 @@ OWN_PREFIX = "ftrun/"
 """Every key of ftrun's own starts with this; the rest belong to the workers' process groups."""
 
 JOB = "ftrun/job"
+GROUP_STORE = "ftrun/group_store"
 STATUS_JOB = "ftrun/status/job"
 
 

@@ -1,0 +1,92 @@
+"""Jobs whose store is an etcd cluster (``--rdzv-backend etcd-v2``), against a real etcd member: in-place
+recovery on one node and across two, ftrun's keys in etcd, and ``ftrun status`` / ``ftrun inject`` reaching the
+job by its etcd URL."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import EXAMPLE, FTRUN
+from ftrun import cli
+from ftrun.store.etcd import EtcdKeyValue, etcd_options
+from runs import STEPS, TIMEOUT, TRAINING, check_in_place, read_run
+
+DEADLINE = 60.0
+"""Seconds a live job has to show what a test waits for."""
+
+
+def etcd_flags(cluster, run_id: str) -> list[str]:
+    return ["--rdzv-backend", "etcd-v2", "--rdzv-endpoint", cluster.endpoints, "--rdzv-id", run_id]
+
+
+def keys_of(cluster, run_id: str) -> list[str]:
+    return EtcdKeyValue(etcd_options(cluster.endpoints, run_id, {})).list_keys()
+
+
+def test_a_job_on_etcd_recovers_in_place_with_its_records_and_plans_in_etcd(launch, baseline, etcd_cluster):
+    run = launch(*etcd_flags(etcd_cluster, "etcd-one-node"), faults="kill:5:2")
+    check_in_place(run, baseline, lost={2: -9}, fault_step=5)
+    stored = keys_of(etcd_cluster, "etcd-one-node")
+    assert {"ftrun/job", "ftrun/status/job", "ftrun/status/node/0", "ftrun/a0/plan/1", "ftrun/a0/gen"} <= set(stored)
+    assert not [key for key in stored if not key.startswith("ftrun/")]  # the process groups' keys are elsewhere
+
+
+def test_two_nodes_on_etcd_find_the_group_store_there_and_survive_a_lost_worker(
+        launcher_env, workload, secret_file, tmp_path, baseline, etcd_cluster):
+    # node 1 is given no address but etcd's: it learns there where node 0 serves the process groups' store
+    env = {**launcher_env, "FTRUN_SECRET_FILE": secret_file, "FAULTS": "kill:5:100001"}
+    common = ["--nnodes", "2", "--nproc-per-node", "2", *etcd_flags(etcd_cluster, "etcd-two-nodes")]
+    nodes = [subprocess.Popen([*FTRUN, *common, "--node-rank", str(node), *(["--master-addr", "127.0.0.1"] * (node == 0)),
+                               "--log-dir", str(tmp_path / f"node{node}"), workload("faulty_train.py"), *TRAINING],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (1, 0)]
+    (out1, err1), (out0, err0) = (node.communicate(timeout=TIMEOUT) for node in nodes)
+    leader = read_run(subprocess.CompletedProcess(nodes[1].args, nodes[1].returncode, out0, err0), tmp_path / "node0")
+    why = f"{leader.explain()}\n--- node 1\n{err1[-3000:]}"
+    assert (nodes[1].returncode, nodes[0].returncode) == (0, 0), why
+    (recovery,) = leader.of("recovery")
+    assert recovery["lost_uids"] == [100001] and recovery["steps_lost"] == 0, why
+    assert (recovery["world_before"], recovery["world_after"]) == (4, 3), why
+    commits = leader.commits()
+    for uid in (0, 1):
+        assert [c.step for c in commits[uid]] == list(range(STEPS)), why
+        assert all(c.loss == pytest.approx(baseline[c.step]) for c in commits[uid]), why
+    assert {"ftrun/group_store", "ftrun/lease/1", "ftrun/status/node/1"} <= set(keys_of(etcd_cluster, "etcd-two-nodes"))
+
+
+def cli_run(capsys, *args: str) -> tuple[int, str]:
+    """``ftrun ARGS`` in this process: exit code and stdout."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(list(args))
+    out, _ = capsys.readouterr()
+    return exit_.value.code, out
+
+
+def test_status_and_inject_reach_a_job_on_etcd_by_its_url(live_job, etcd_cluster, capsys, tmp_path):
+    proc, entry = live_job("--nproc-per-node", "4", *etcd_flags(etcd_cluster, "etcd-live"), "--log-dir", tmp_path,
+                           EXAMPLE, "--steps", "100000", "--width", "256")
+    url, secret = entry.endpoint, str(Path(entry.run_dir, "secret"))
+    assert url == f"etcd://{etcd_cluster.endpoints}/etcd-live"
+    status = ("status", "--json", "--endpoint", url, "--secret-file", secret)
+    deadline = time.monotonic() + DEADLINE
+    while True:  # the leader writes its status record about once a second
+        code, out = cli_run(capsys, *status)
+        (doc,) = json.loads(out)["jobs"]
+        if all(w["step"] is not None for w in doc["workers"]):
+            break
+        assert time.monotonic() < deadline, doc
+    assert (doc["state"], doc["world_size"], doc["run_id"]) == ("running", 4, entry.run_id)
+    code, out = cli_run(capsys, "inject", "kill", "--rank", "2", "--endpoint", url, "--secret-file", secret)
+    assert code == 0, out
+    while True:
+        code, out = cli_run(capsys, *status)
+        (doc,) = json.loads(out)["jobs"]
+        if doc["recoveries"]["count"] == 1 and doc["state"] == "running":
+            break
+        assert time.monotonic() < deadline + DEADLINE, doc
+    assert (doc["world_size"], doc["faults"], doc["faults_survived"]) == (3, 1, 1)
+    assert proc.poll() is None
