@@ -96,7 +96,8 @@ class Agent:
         self.mail: MailReader | None = None
         self.outbox: Outbox | None = None  # this agent's messages to the other agents, numbered for the run
         self.node_leases: NodeLeases | None = None  # the leader's view of the followers' leases
-        self.lease: LeaseKeeper | None = None  # a follower's own lease
+        self.lease: LeaseKeeper | None = None  # a follower's own lease (node 0's too, with etcd)
+        self.leader_lease: NodeLeases | None = None  # with etcd, a follower's view of node 0's lease
         self.gpu_health = GpuHealth(self.log, console, self.pool, self.end_attempt, config.xid_table,
                                     local_ranks=config.nproc_per_node + config.recovery.spares,
                                     min_nproc=config.recovery.min_nproc)
@@ -316,11 +317,15 @@ class Agent:
         if config.multinode and self.leader:
             self.node_leases = NodeLeases(store, list(range(1, config.min_nodes)), config.node_timeout,
                                           time.monotonic())
-        elif config.multinode:
-            # a renewal that hangs gives up in time to retry before the lease would fence this node
+        if config.multinode and (not self.leader or config.etcd is not None):
+            # a renewal that hangs gives up in time to retry before the lease would fence this node; node 0
+            # renews one too where the store outlives it (etcd), and the followers watch it there
             self.lease = LeaseKeeper(lambda: self._connect(config.node_timeout / 4), config.node_rank,
-                                     config.node_timeout)
+                                     config.node_timeout, "etcd" if config.etcd else "node 0's store")
             self.lease.start()
+        if config.multinode and not self.leader and config.etcd is not None:
+            self.leader_lease = NodeLeases(store, [0], config.node_timeout, time.monotonic(), evicts=False,
+                                           looks_per_timeout=2)  # two requests a look: 0.4 a second at 10 s
         self.status.store, self.status.dropped = store, self._dropped
         return store
 
@@ -336,7 +341,7 @@ class Agent:
         if not self.leader:
             return Follower(config.node_rank, protocol.Plan(0, protocol.initial_members(self.sizes)),
                             config.recovery.hang_timeout, self.outbox, self.log, self.console, self, self.pool,
-                            self.lease)
+                            self.lease, self.leader_lease)
         recovery = config.recovery
         options = RecoveryOptions(recovery.enabled, recovery.min_nproc, recovery.recovery_timeout,
                                   recovery.join_timeout)
@@ -404,6 +409,11 @@ class Agent:
             self._stop(sig, now)
         elif sig == signal.SIGKILL:
             self.stopper.kill_now(now)
+
+    def save_and_stop(self) -> None:
+        """The API's workers save their committed state (to ``<run dir>/rescue``), then every worker stops."""
+        if self.stopper is None:
+            self._stop(signal.SIGTERM, time.monotonic(), self._savers())
 
     def _stop(self, sig: int, now: float, savers: Sequence[WorkerHandle] = ()) -> None:
         """Begin stopping the workers: ``savers`` save their state first (a preemption), then ``sig``."""

@@ -1,7 +1,8 @@
 """A follower's coordination: its workers' news goes to the leader, the leader's word to its workers.
 
 A follower (an agent of node 1 and up) watches its own workers' hangs, renews its lease (and fences itself,
-killing its workers, when it cannot), and otherwise carries out what the leader decides.
+killing its workers, when it cannot), with etcd watches the leader's lease (and stops when the leader is
+gone), and otherwise carries out what the leader decides.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from ftrun.agent.workers import WorkerSlot
 from ftrun.events import EventSink
 from ftrun.health.hangs import HangPolicy
 from ftrun.store import keys
-from ftrun.store.leases import LeaseKeeper
+from ftrun.store.leases import LeaseKeeper, NodeLeases
 from ftrun.store.mailbox import Outbox
 
 if TYPE_CHECKING:
@@ -35,8 +36,9 @@ class Follower:
 
     def __init__(self, node_rank: int, plan: protocol.Plan, hang_timeout: float | None, outbox: Outbox,
                  log: EventSink, notices: Notices, control: WorkerControl, local: LocalWorkers,
-                 lease: LeaseKeeper) -> None:
+                 lease: LeaseKeeper, leader_lease: NodeLeases | None = None) -> None:
         self.node_rank = node_rank
+        self.leader_lease = leader_lease  # with etcd, where node 0's lease outlives it: its renewals, watched
         self.outbox = outbox
         self.log = log
         self.control = control
@@ -148,11 +150,29 @@ class Follower:
             self.stuck_told = self.plan.gen
             self._tell_leader({"t": protocol.NODE_STUCK, "node": self.node_rank, "gen": self.plan.gen,
                                "reason": stuck})
+        silent = self._leader_silence(now)
+        if silent is not None and self.stop_reason is None:
+            self.stop_reason = (f"node 0, the leader, has not renewed its lease for {silent:.1f} s (its agent is "
+                                "gone or cut off), and the job has no other leader yet: stopping this node's "
+                                "workers, their committed state saved")
+            self.log.write(events.FENCED, reason=self.stop_reason)
+            self.control.save_and_stop()
         fence = self.lease.fence_reason(now)
         if fence is not None:
             self.control.stop_all(signal.SIGKILL)  # at once: a fenced node must not commit one more step
             self.log.write(events.FENCED, reason=fence)
         return self.stop_reason or fence
+
+    def _leader_silence(self, now: float) -> float | None:
+        """Seconds since node 0 last renewed its lease, once that is past --node-timeout (watched with etcd
+        only); None otherwise, and while the store does not answer (this node's own lease fences it then)."""
+        if self.leader_lease is None:
+            return None
+        try:
+            lost = self.leader_lease.expired(now)
+        except RuntimeError:
+            return None
+        return lost[0][1] if lost else None
 
     def close(self, reason: str | None) -> None:
         """Nothing to tell anyone: the leader learns of this node's end from its workers' exits and its lease."""

@@ -68,6 +68,9 @@ class WorkerControl(Protocol):
     def stop_all(self, sig: int = signal.SIGTERM) -> None:
         """Signal every live worker of the job, and escalate to SIGKILL after --shutdown-timeout."""
 
+    def save_and_stop(self) -> None:
+        """Ask the workers that use the worker API to save their committed state, then stop every worker."""
+
     def stopping(self) -> bool:
         """Whether the attempt is being stopped (no fault is recovered from any more)."""
 

@@ -34,10 +34,13 @@ def fence_margin(node_timeout: float) -> float:
 
 
 class LeaseKeeper:
-    """A follower's lease: a thread renews it on a store connection of its own, with a short timeout."""
+    """A node's lease: a thread renews it on a store connection of its own, with a short timeout (every
+    follower's; node 0's too where the store outlives node 0, etcd, so that the followers see the leader go)."""
 
-    def __init__(self, connect: Callable[[], JobStore], node_rank: int, timeout: float) -> None:
+    def __init__(self, connect: Callable[[], JobStore], node_rank: int, timeout: float,
+                 where: str = "the store") -> None:
         self.node_rank = node_rank
+        self.where = where  # the store, as the fencing line names it
         self.timeout = timeout
         self.renewals = 0
         self.renewed = time.monotonic()
@@ -63,7 +66,7 @@ class LeaseKeeper:
             return "the leader declared this node lost: stopping its workers"
         silent = now - self.renewed
         if silent > self.timeout * FENCE_FRACTION:
-            return (f"could not renew this node's lease on the store for {silent:.1f} s (--node-timeout "
+            return (f"could not renew this node's lease in {self.where} for {silent:.1f} s (--node-timeout "
                     f"{self.timeout:g}): fencing, so that a cut-off node does not train on alone")
         return None
 
@@ -82,13 +85,17 @@ class LeaseKeeper:
 
 
 class NodeLeases:
-    """The leader's side of the leases: which followers stopped renewing."""
+    """Which nodes stopped renewing their leases: the leader's view of the followers (and, with etcd, a
+    follower's view of the leader)."""
 
     START_GRACE = 60.0
     """Seconds a node has to renew for the first time (its agent may still be starting over ssh)."""
 
-    def __init__(self, store: JobStore, nodes: list[int], timeout: float, now: float) -> None:
+    def __init__(self, store: JobStore, nodes: list[int], timeout: float, now: float, evicts: bool = True,
+                 looks_per_timeout: int = RENEWALS_PER_TIMEOUT) -> None:
         self.store = store
+        self.evicts = evicts  # the leader marks a lost node evicted; a follower watching the leader does not
+        self.look_every = timeout / looks_per_timeout
         self.timeout = timeout
         self.seen: dict[int, tuple[int, float]] = {n: (0, now + self.START_GRACE - timeout) for n in nodes}
         self.next_check = now
@@ -97,7 +104,7 @@ class NodeLeases:
         """Nodes whose lease expired since the last call, with how many seconds ago each renewed last."""
         if now < self.next_check:
             return []
-        self.next_check = now + self.timeout / RENEWALS_PER_TIMEOUT  # one look per renewal period
+        self.next_check = now + self.look_every  # the leader: one look per renewal period
         lost = []
         renewals = self.store.lease_renewals(list(self.seen))
         for node, (count, when) in list(self.seen.items()):
@@ -112,5 +119,5 @@ class NodeLeases:
 
     def forget(self, node: int) -> None:
         """Stop watching ``node`` (lost, or done) and tell it, should it come back, that it was evicted."""
-        if self.seen.pop(node, None) is not None:
+        if self.seen.pop(node, None) is not None and self.evicts:
             self.store.evict(node)
