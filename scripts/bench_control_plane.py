@@ -129,8 +129,8 @@ class Plane:
         """Send one message to every follower's box; each follower's delivery latency in seconds."""
         followers = self.readers[1:]
         started = time.monotonic()
-        for node in range(1, len(self.readers)):
-            self.outbox.send(keys.node_box(node), {"t": "plan", "gen": plan})
+        self.outbox.send_many([(keys.node_box(node), {"t": "plan", "gen": plan})
+                               for node in range(1, len(self.readers))])  # as the leader relays a plan
         latencies: dict[int, float] = {}
         deadline = started + 60
         while len(latencies) < len(followers) and time.monotonic() < deadline:

@@ -359,8 +359,11 @@ class Leader:
         self.recovery.reports.clear()
         self.store.publish_plan(self.setup.attempt, plan)
         data = (json.dumps(plan.message()) + "\n").encode()
-        for worker in [*self.local.live(), *self.remote_workers()]:
+        for worker in self.local.live():
             worker.send(data)
+        remote = self.remote_workers()
+        if remote:  # one batch of mail for every other node's workers
+            self.nodes.relay(remote, data)
         self.log.write(events.GENERATION, gen=plan.gen, members=plan.members, reason=plan.reason, lost=plan.lost,
                        joiners=plan.joiners, world_size=plan.world_size)
 

@@ -22,6 +22,11 @@ from ftrun.store.leases import NodeLeases
 from ftrun.store.mailbox import Outbox
 
 
+def relay_mail(uid: int, data: bytes) -> tuple[str, dict[str, Any]]:
+    """The mail (box, message) that asks worker ``uid``'s agent to hand ``data`` on to it."""
+    return keys.node_box(node_of(uid)), {"t": protocol.RELAY, "data": data.decode(), "uid": uid}
+
+
 class RemoteWorker:
     """The leader's handle on a worker of another node: what the leader's coordination needs of a worker."""
 
@@ -38,7 +43,7 @@ class RemoteWorker:
 
     def send(self, data: bytes) -> None:
         """Relay control messages to the worker through its agent."""
-        self._tell_agent({"t": protocol.RELAY, "data": data.decode()})
+        self.outbox.send(*relay_mail(self.uid, data))
 
     def send_signal(self, sig: int) -> None:
         """Ask the worker's agent to signal it."""
@@ -126,7 +131,12 @@ class RemoteNodes:
                                                              "local_rank": worker.slot.local_rank,
                                                              "rank": worker.slot.rank})
 
+    def relay(self, workers: list[WorkerHandle], data: bytes) -> None:
+        """Relay the same control message to each of these workers of other nodes, through their agents, in
+        one batch of mail."""
+        self.outbox.send_many([relay_mail(w.uid, data) for w in workers])
+
     def stop(self, reason: str) -> None:
         """The leader gives up: every other node stops its workers too."""
-        for node in range(1, self.nnodes):
-            self.outbox.send(keys.node_box(node), {"t": protocol.STOP, "reason": f"the leader stopped: {reason}"})
+        message = {"t": protocol.STOP, "reason": f"the leader stopped: {reason}"}
+        self.outbox.send_many([(keys.node_box(node), message) for node in range(1, self.nnodes)])

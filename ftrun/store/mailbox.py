@@ -60,8 +60,15 @@ class Outbox:
     def send(self, box: str, message: dict[str, Any]) -> None:
         """Send ``message`` to ``box``. Its number is taken even if the store call fails: the reader then gives
         it up once a later message arrives."""
-        index = self.sent[box] = self.sent.get(box, 0) + 1
-        self.store.send(box, self.sender, index, message)
+        self.send_many([(box, message)])
+
+    def send_many(self, messages: list[tuple[str, dict[str, Any]]]) -> None:
+        """Send each ``(box, message)``, in order per box, in as few store writes as the backend allows."""
+        numbered = []
+        for box, message in messages:
+            index = self.sent[box] = self.sent.get(box, 0) + 1
+            numbered.append((box, index, message))
+        self.store.send_many(self.sender, numbered)
 
 
 @dataclass

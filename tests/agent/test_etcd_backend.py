@@ -55,7 +55,7 @@ def test_two_nodes_on_etcd_find_the_group_store_there_and_survive_a_lost_worker(
     for uid in (0, 1):
         assert [c.step for c in commits[uid]] == list(range(STEPS)), why
         assert all(c.loss == pytest.approx(baseline[c.step]) for c in commits[uid]), why
-    assert {"ftrun/group_store", "ftrun/lease/1", "ftrun/status/node/1"} <= set(keys_of(etcd_cluster, "etcd-two-nodes"))
+    assert {"ftrun/group_store", "ftrun/a0/plan/1"} <= set(keys_of(etcd_cluster, "etcd-two-nodes"))
 
 
 def cli_run(capsys, *args: str) -> tuple[int, str]:
