@@ -45,7 +45,7 @@ from ftrun.processes import SignalWake, signal_name
 from ftrun.store import keys
 from ftrun.store.auth import Seal, write_secret_file
 from ftrun.store.client import open_client_retrying
-from ftrun.store.etcd import EtcdKeyValue
+from ftrun.store.etcd import EtcdKeyValue, answering
 from ftrun.store.host import StoreHost
 from ftrun.store.job import JobStore
 from ftrun.store.kv import KeyValue
@@ -182,11 +182,13 @@ class Agent:
     def _run_attempts(self, mail_w: int) -> int:
         self.pool.start_fork_server()
         if self.config.etcd is not None and self.config.store.port == 0:
-            self._find_group_store()
+            with answering(self.config.etcd):
+                self._find_group_store()
         while True:
             self._start_group()  # waits for the fork server: it serves the store too
             if self.store is None:  # registered once it answers
-                self._serve_store(mail_w)
+                with answering(self.config.etcd):
+                    self._serve_store(mail_w)
             pids = " ".join(str(w.pid) for w in self.pool.all())
             self.console.notice(f"ftrun: run {self.config.run_id}, attempt {self.restart_count}: "
                                 f"{len(self.pool.all())} workers (pids {pids}); events in {self.run_dir}/events.jsonl",
@@ -410,6 +412,15 @@ class Agent:
         elif sig == signal.SIGKILL:
             self.stopper.kill_now(now)
 
+    def _fenced_leader(self, now: float) -> str | None:
+        """With etcd, node 0 renews a lease too: when it cannot, it stops its workers at once (the followers,
+        which see its lease run out, stop theirs); why, or None."""
+        fence = self.lease.fence_reason(now) if self.leader and self.lease is not None else None
+        if fence is not None and not self.stopping():
+            self.log.write(events.FENCED, reason=fence)
+            self.stop_all(signal.SIGKILL)
+        return fence
+
     def save_and_stop(self) -> None:
         """The API's workers save their committed state (to ``<run dir>/rescue``), then every worker stops."""
         if self.stopper is None:
@@ -483,7 +494,7 @@ class Agent:
             if self.stopper is not None:
                 self.stopper.tick(now)
             self.status.tick(now)
-            fallback = self.coordination.tick(now)
+            fallback = self.coordination.tick(now) or self._fenced_leader(now)
             if fallback:
                 result.reason = fallback
                 self.stop_all()

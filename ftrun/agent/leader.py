@@ -357,7 +357,10 @@ class Leader:
         self.recovery.gen = plan.gen
         self.recovery.plan_sent = time.time()
         self.recovery.reports.clear()
-        self.store.publish_plan(self.setup.attempt, plan)
+        try:
+            self.store.publish_plan(self.setup.attempt, plan)  # a record for people and tools
+        except RuntimeError:
+            pass  # the workers get their plans from their agents, not from there
         data = (json.dumps(plan.message()) + "\n").encode()
         for worker in self.local.live():
             worker.send(data)

@@ -27,6 +27,15 @@ def relay_mail(uid: int, data: bytes) -> tuple[str, dict[str, Any]]:
     return keys.node_box(node_of(uid)), {"t": protocol.RELAY, "data": data.decode(), "uid": uid}
 
 
+def mail(outbox: Outbox, messages: list[tuple[str, dict[str, Any]]]) -> None:
+    """Send the leader's mail; dropped while the store does not answer (an etcd cluster can be unreachable
+    from node 0): a lasting loss is the leases' business, on both sides."""
+    try:
+        outbox.send_many(messages)
+    except RuntimeError:
+        pass
+
+
 class RemoteWorker:
     """The leader's handle on a worker of another node: what the leader's coordination needs of a worker."""
 
@@ -43,7 +52,7 @@ class RemoteWorker:
 
     def send(self, data: bytes) -> None:
         """Relay control messages to the worker through its agent."""
-        self.outbox.send(*relay_mail(self.uid, data))
+        mail(self.outbox, [relay_mail(self.uid, data)])
 
     def send_signal(self, sig: int) -> None:
         """Ask the worker's agent to signal it."""
@@ -51,7 +60,7 @@ class RemoteWorker:
             self._tell_agent({"t": protocol.SIGNAL, "sig": int(sig)})
 
     def _tell_agent(self, message: dict[str, Any]) -> None:
-        self.outbox.send(keys.node_box(node_of(self.uid)), {**message, "uid": self.uid})
+        mail(self.outbox, [(keys.node_box(node_of(self.uid)), {**message, "uid": self.uid})])
 
 
 class RemoteNodes:
@@ -74,8 +83,12 @@ class RemoteNodes:
         return [w for w in self.remote.values() if w.exitcode is None]
 
     def tick(self, now: float) -> None:
-        """Nodes whose lease ran out are lost."""
-        for node, ago in self.leases.expired(now):
+        """Nodes whose lease ran out are lost (none is judged while the store does not answer)."""
+        try:
+            expired = self.leases.expired(now)
+        except RuntimeError:
+            return
+        for node, ago in expired:
             self.node_lost(node, f"its lease expired (no renewal for {self.leases.timeout:g} s)", time.time() - ago)
 
     def on_mail(self, message: dict[str, Any]) -> None:
@@ -127,16 +140,16 @@ class RemoteNodes:
 
     def start_replacement(self, worker: WorkerHandle) -> None:
         """Ask ``worker``'s node to start a joiner in its place."""
-        self.outbox.send(keys.node_box(node_of(worker.uid)), {"t": protocol.START_WORKER, "uid": worker.uid,
-                                                             "local_rank": worker.slot.local_rank,
-                                                             "rank": worker.slot.rank})
+        mail(self.outbox, [(keys.node_box(node_of(worker.uid)), {"t": protocol.START_WORKER, "uid": worker.uid,
+                                                                 "local_rank": worker.slot.local_rank,
+                                                                 "rank": worker.slot.rank})])
 
     def relay(self, workers: list[WorkerHandle], data: bytes) -> None:
         """Relay the same control message to each of these workers of other nodes, through their agents, in
         one batch of mail."""
-        self.outbox.send_many([relay_mail(w.uid, data) for w in workers])
+        mail(self.outbox, [relay_mail(w.uid, data) for w in workers])
 
     def stop(self, reason: str) -> None:
         """The leader gives up: every other node stops its workers too."""
         message = {"t": protocol.STOP, "reason": f"the leader stopped: {reason}"}
-        self.outbox.send_many([(keys.node_box(node), message) for node in range(1, self.nnodes)])
+        mail(self.outbox, [(keys.node_box(node), message) for node in range(1, self.nnodes)])

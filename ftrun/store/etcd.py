@@ -21,6 +21,7 @@ Every failure to reach the cluster raises :class:`EtcdUnavailable`, a ``RuntimeE
 from __future__ import annotations
 
 import base64
+import contextlib
 import importlib.util
 import json
 import os
@@ -29,6 +30,7 @@ import socket
 import threading
 import time
 import urllib.parse
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -140,6 +142,16 @@ def etcd_options(endpoints: str, run_id: str, conf: dict[str, str]) -> EtcdOptio
         raise UsageError("--rdzv-conf password_file= needs user=")
     return EtcdOptions(parse_endpoints(endpoints), run_id, files["cacert"], files["cert"], files["key"],
                        conf.get("user"), files["password_file"], https=protocol == "https")
+
+
+@contextlib.contextmanager
+def answering(options: EtcdOptions | None) -> Iterator[None]:
+    """Around a job's first calls to its store: an etcd cluster that does not answer is one line (UsageError)."""
+    try:
+        yield
+    except EtcdUnavailable as exc:
+        where = options.describe() if options is not None else "?"
+        raise UsageError(f"the job's etcd at {where} (--rdzv-endpoint) does not answer: {exc}") from None
 
 
 def _b64(data: str | bytes) -> str:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import EXAMPLE, FTRUN
+from etcd_members import Cluster
 from ftrun import cli
 from ftrun.store.etcd import EtcdKeyValue, etcd_options
 from runs import STEPS, TIMEOUT, TRAINING, check_in_place, read_run
@@ -90,3 +91,33 @@ def test_status_and_inject_reach_a_job_on_etcd_by_its_url(live_job, etcd_cluster
         assert time.monotonic() < deadline + DEADLINE, doc
     assert (doc["world_size"], doc["faults"], doc["faults_survived"]) == (3, 1, 1)
     assert proc.poll() is None
+
+
+def test_an_etcd_that_does_not_answer_is_one_line(run_ftrun, workload, free_port):
+    result = run_ftrun("--rdzv-backend", "etcd", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--nproc-per-node",
+                       "1", workload("faulty_train.py"), *TRAINING)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("ftrun: error:")]
+    assert result.returncode == 2 and len(errors) == 1 and "does not answer" in errors[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_one_node_job_finishes_when_its_etcd_goes_away(launcher_env, workload, tmp_path, baseline):
+    # one node: ftrun's keys are only records there (the workers rendezvous through node 0's TCPStore), so
+    # losing the whole etcd cluster mid-run costs the job its status records, not its training
+    (tmp_path / "etcd").mkdir()
+    cluster = Cluster(tmp_path / "etcd", size=1)
+    try:
+        proc = subprocess.Popen([*FTRUN, "--nproc-per-node", "2", *etcd_flags(cluster, "etcd-gone"), "--log-dir",
+                                 str(tmp_path / "logs"), workload("faulty_train.py"), "--steps", "40", "--width", "64"],
+                                env=launcher_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if " step=3 " in line:
+                break
+        cluster.stop()
+        out, err = proc.communicate(timeout=TIMEOUT)
+    finally:
+        cluster.stop()
+    assert proc.returncode == 0 and "Traceback" not in err, err[-3000:]
+    assert "step=39 " in out, out[-2000:]
