@@ -189,25 +189,16 @@ class Redundancy:
                 self._thread = None
 
     def _exchange(self, step: int, own: Slot, buddy: Slot, control: dist.ProcessGroup) -> None:
-        """On the refresh thread: send our snapshot to the buddy, receive the giver's and mark it complete; then
-        tell the giver its copy arrived and wait for the buddy's word that ours did (the next step waits for this
-        thread: it starts only once this rank's committed state is whole in its buddy's memory)."""
+        """On the refresh thread: send our snapshot to the buddy, receive the giver's; mark it complete."""
         right, left = (self.index + self.stride) % self.world, (self.index - self.stride) % self.world
-        received, sent = torch.ones(1, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8)
         try:
             works = [self._issue(lambda: control.recv([buddy.buffer], left, 0)),
                      self._issue(lambda: control.send([own.buffer], right, 0))]
             for work in works:
                 work.wait()
-            buddy.step = step
-            # a send is done once the bytes are in this host's socket: only the buddy's word says they arrived,
-            # and a rank that died right after its send would otherwise leave a copy that never completes
-            works = [self._issue(lambda: control.send([received], left, 1)),
-                     self._issue(lambda: control.recv([sent], right, 1))]
-            for work in works:
-                work.wait()
-        except Exception:  # noqa: BLE001 -- any failure leaves the slot incomplete (or unconfirmed): recovery follows
+        except Exception:  # noqa: BLE001 -- any failure leaves the slot incomplete; recovery follows
             return
+        buddy.step = step
 
     def _allocate(self, report: bool) -> None:
         """Two snapshot slots of this rank's shard, two buddy slots of the giver's; rank 0 says how large
