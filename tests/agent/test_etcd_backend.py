@@ -101,17 +101,22 @@ def test_a_one_node_job_finishes_when_its_etcd_goes_away(launcher_env, workload,
     (tmp_path / "etcd").mkdir()
     cluster = Cluster(tmp_path / "etcd", size=1)
     try:
+        hold = tmp_path / "hold"  # the job trains slowly until it is removed, so it cannot end before etcd does
+        hold.touch()
         proc = subprocess.Popen([*FTRUN, "--nproc-per-node", "2", *etcd_flags(cluster, "etcd-gone"), "--log-dir",
-                                 str(tmp_path / "logs"), workload("faulty_train.py"), "--steps", "40", "--width", "64"],
-                                env=launcher_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                 str(tmp_path / "logs"), workload("held_train.py"), "--steps", "40", "--width", "64"],
+                                env={**launcher_env, "HOLD": str(hold)}, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
         lines = []
-        for line in proc.stdout:
+        for line in proc.stdout:  # to its end: the member is killed once training is under way
             lines.append(line)
-            if " step=3 " in line:
-                break
-        cluster.stop()
-        out, err = proc.communicate(timeout=TIMEOUT)
+            if " step=3 " in line and hold.exists():
+                cluster.stop()
+                hold.unlink()
+        proc.wait(TIMEOUT)
+        err = proc.stderr.read()
     finally:
         cluster.stop()
+    out = "".join(lines)
     assert proc.returncode == 0 and "Traceback" not in err, err[-3000:]
-    assert "step=39 " in out, out[-2000:]
+    assert " step=3 " in out and "step=39 " in out, out[-2000:]
