@@ -294,12 +294,7 @@ class EtcdKeyValue:
 
     def get(self, key: str) -> bytes:
         """The value under ``key``, waiting for it up to the client's timeout."""
-        deadline = time.monotonic() + self.timeout
-        while True:
-            value, _, revision = self._range(key)
-            if value is not None:
-                return value
-            self._watch_put(key, revision, deadline)
+        return self._await(key, time.monotonic() + self.timeout)
 
     def add(self, key: str, amount: int) -> int:
         """Add ``amount`` to the counter ``key`` (0 if absent): compare-and-swap on its mod revision."""
@@ -325,11 +320,7 @@ class EtcdKeyValue:
         """Return once every one of ``keys`` exists; EtcdUnavailable after ``timeout``."""
         deadline = time.monotonic() + timeout.total_seconds()
         for key in keys:
-            while True:
-                value, _, revision = self._range(key)
-                if value is not None:
-                    break
-                self._watch_put(key, revision, deadline)
+            self._await(key, deadline)
 
     def delete_key(self, key: str) -> bool:
         """Delete ``key``; whether it existed."""
@@ -346,6 +337,15 @@ class EtcdKeyValue:
             raise EtcdUnavailable("etcd: the answer to a listing is not etcd's") from None
 
     # ------------------------------------------------------------------ watches
+    def _await(self, key: str, deadline: float) -> bytes:
+        """The value under ``key``: read, and while it is absent, watched from the revision of the read (a write
+        in between is not missed); EtcdUnavailable once the monotonic ``deadline`` passes."""
+        while True:
+            value, _, revision = self._range(key)
+            if value is not None:
+                return value
+            self._watch_put(key, revision, deadline)
+
     def interrupt(self) -> None:
         """End the wait in progress, and every later one, at once (EtcdUnavailable): for a reader that stops."""
         self._interrupted.set()
