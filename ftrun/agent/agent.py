@@ -259,11 +259,12 @@ class Agent:
     def _find_group_store(self) -> None:
         """With etcd, a node other than 0 learns there where node 0 serves the process groups' store, before it
         starts workers (they rendezvous through it)."""
-        where = self._connect().read_group_store(0.0)
+        store = self._connect()
+        where = store.read_group_store(0.0)
         if where is None:
             self.console.progress(f"waiting for node 0 to say where it serves the process groups' store: up to "
                                   f"{STORE_TIMEOUT:.0f} s")
-            where = self._connect().read_group_store(STORE_TIMEOUT)
+            where = store.read_group_store(STORE_TIMEOUT)
             self.console.progress(None)
         if where is None:
             raise UsageError(f"node 0 did not publish its store in etcd ({self.config.etcd.describe()}, run id "
