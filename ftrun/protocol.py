@@ -55,7 +55,9 @@ NODE_STUCK = "node_stuck"  # every rank of a follower waits in a collective past
 RELAY = "relay"  # control messages for one of its workers: {uid, data (JSON lines)}
 SIGNAL = "signal"  # signal one of its workers: {uid, sig}
 START_WORKER = "start_worker"  # start the replacement of its worker: {uid, local_rank, rank}
-STOP = "stop"  # the leader gave up: stop every worker: {reason}
+STOP = "stop"  # the leader's attempt failed (or was stopped): stop every worker and end: {reason}
+RESTART = "restart"  # the leader restarts the group: start attempt {attempt} once every worker has ended: {reason}
+DONE = "done"  # the leader's attempt succeeded: a node with no worker left ends too
 
 # commands, in any agent's mailbox: {"cmd": ..., "reply_to": token, ...}, answered {"ok": bool, ...}
 PING = "ping"  # who are you: {} -> {node_rank, pid, attempt, ranks: {rank: pid}}
@@ -237,6 +239,8 @@ MAIL: dict[str, dict[str, Check]] = {
     SIGNAL: {"uid": _int, "sig": _signal},
     START_WORKER: {"uid": _int, "local_rank": _int, "rank": _optional_int},
     STOP: {"reason": _text},
+    RESTART: {"attempt": _int, "reason": _text},
+    DONE: {},
 }
 """Every message agents (and the hostfile launcher) post to each other's mailboxes, with its fields."""
 

@@ -28,6 +28,8 @@ VALID_MAIL = [
     {"t": protocol.SIGNAL, "uid": 100000, "sig": int(signal.SIGKILL)},
     {"t": protocol.START_WORKER, "uid": 100001, "local_rank": 1, "rank": 3},
     {"t": protocol.STOP, "reason": "the leader stopped"},
+    {"t": protocol.RESTART, "attempt": 1, "reason": "worker failure"},
+    {"t": protocol.DONE},
     {"cmd": protocol.PING, "reply_to": "abc"},
     {"cmd": protocol.INJECT, "kind": "kill", "rank": 0},
     {"cmd": "frobnicate"},  # another version's command: the agent answers that it does not know it
@@ -47,6 +49,7 @@ def test_every_message_ftrun_posts_is_accepted(message):
     ({"t": ["stop"]}, "unknown kind"),
     ({"t": protocol.STOP}, "stop: no field 'reason'"),
     ({"t": protocol.STOP, "reason": 7}, "field 'reason' has a wrong type"),
+    ({"t": protocol.RESTART, "attempt": "1", "reason": "x"}, "field 'attempt' has a wrong type"),
     ({"t": protocol.SIGNAL, "uid": 1, "sig": 99999}, "field 'sig'"),
     ({"t": protocol.SIGNAL, "uid": True, "sig": 9}, "field 'uid'"),
     ({"t": protocol.WORKER_EXITED, "uid": 1, "code": 1}, "no valid 'failure'"),

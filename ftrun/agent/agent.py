@@ -22,7 +22,7 @@ import psutil
 
 from ftrun import events, protocol, registry
 from ftrun.agent import metrics
-from ftrun.agent.decisions import RecoveryOptions, rescue_source
+from ftrun.agent.decisions import RecoveryOptions, rescue_source, why_no_restart_here
 from ftrun.agent.drills import Drills
 from ftrun.agent.failures import AttemptResult, WorkerFailure, describe_failure, format_report
 from ftrun.agent.follower import Follower
@@ -99,8 +99,7 @@ class Agent:
         self.lease: LeaseKeeper | None = None  # a follower's own lease (node 0's too, with etcd)
         self.leader_lease: NodeLeases | None = None  # with etcd, a follower's view of node 0's lease
         self.gpu_health = GpuHealth(self.log, console, self.pool, self.end_attempt, config.xid_table,
-                                    local_ranks=config.nproc_per_node + config.recovery.spares,
-                                    min_nproc=config.recovery.min_nproc)
+                                    local_ranks=config.nproc_per_node + config.recovery.spares)
         self.status = StatusPublisher(RunInfo(self.run_name, config.run_id, str(self.run_dir), config.node_rank,
                                               config.min_nodes, config.world_size), self.pool, self.log,
                                       self.gpu_health.gpu_status)
@@ -202,35 +201,66 @@ class Agent:
             self.log.write(events.ATTEMPT_END, attempt=self.restart_count, succeeded=result.succeeded,
                            signal=result.signal, reason=result.reason,
                            last_step=max(self.coordination.last_step.values(), default=None))
-            self.coordination.close(None if result.succeeded or result.signal is not None else result.reason)
             self.rescued = self.rescued or self.coordination.saved_step >= 0
+            if self.leader and self._restarts(result):
+                self.restart_count += 1
+                self.restarted_after = min((f.when for f in result.failures), default=time.time())
+                self.group_store.clear_worker_keys()  # the new group must not read the old one's addresses
+                self.coordination.close(result.reason, restart=self.restart_count)  # after: the others start theirs
+                self.console.notice(f"ftrun: {result.reason}; restarting the group "
+                                    f"(restart {self.restart_count} of {self.config.max_restarts})", style="bold yellow")
+                continue
+            stopped = f"stopped by {signal_name(result.signal)}" if result.signal is not None else None
+            self.coordination.close(None if result.succeeded else stopped or result.reason)
             if result.succeeded:
                 self.log.write(events.END, outcome="succeeded")
                 self._summarise()
                 return EXIT_OK
             if result.signal is not None:
-                self.console.notice(f"ftrun: stopped by {signal_name(result.signal)}; all workers stopped")
+                self.console.notice(f"ftrun: {stopped}; all workers stopped")
                 self.log.write(events.END, outcome="interrupted", signal=result.signal)
                 return EXIT_SIGNAL_BASE + result.signal
             if not self.leader:
+                if self._told_to_restart(result):
+                    continue
                 self.console.notice(f"ftrun: node {self.config.node_rank}: {result.reason}", style="bold red")
                 self.log.write(events.END, outcome="failed", reason=result.reason)
                 return EXIT_WORKERS_FAILED
-            if not self.config.multinode and self.restart_count < self.config.max_restarts:
-                refused = self.gpu_health.why_no_restart(self.config.nproc_per_node) or result.why_no_restart()
-                if refused is None:
-                    self.restart_count += 1
-                    self.restarted_after = min((f.when for f in result.failures), default=time.time())
-                    self.group_store.clear_worker_keys()  # the new group must not read the old one's addresses
-                    self.console.notice(
-                        f"ftrun: {result.reason}; restarting the group "
-                        f"(restart {self.restart_count} of {self.config.max_restarts})", style="bold yellow")
-                    continue
-                result.reason = f"{result.reason}; no group restart: {refused}"
             self.console.notice(format_report(self.config.script, result.reason, result.failures), style="bold red")
             self.log.write(events.END, outcome="failed", reason=result.reason)
             self._summarise()
             return EXIT_WORKERS_FAILED
+
+    def _restarts(self, result: AttemptResult) -> bool:
+        """Whether the leader restarts the group after this attempt (within --max-restarts, on every node);
+        a refusal is added to the attempt's reason."""
+        if result.succeeded or result.signal is not None or self.restart_count >= self.config.max_restarts:
+            return False
+        refused = self._why_no_restart_here() or result.why_no_restart() or self.coordination.why_no_restart()
+        if refused is not None:
+            result.reason = f"{result.reason}; no group restart: {refused}"
+        return refused is None
+
+    def _told_to_restart(self, result: AttemptResult) -> bool:
+        """A follower the leader told to restart the group: whether it starts that attempt (the reason says
+        why not when it cannot)."""
+        attempt = self.coordination.restart_to
+        if attempt is None:
+            return False
+        refused = self._why_no_restart_here()
+        if refused is not None:
+            result.reason = f"the leader restarts the group, but this node cannot: {refused}"
+            return False
+        self.restart_count = attempt
+        self.console.notice(f"ftrun: node {self.config.node_rank}: the leader restarts the group (restart "
+                            f"{attempt} of {self.config.max_restarts})", style="bold yellow")
+        return True
+
+    def _why_no_restart_here(self) -> str | None:
+        """Why this node cannot take part in a group restart (GPU evictions), or None."""
+        nproc, health = self.config.nproc_per_node, self.gpu_health
+        return why_no_restart_here(health.node_evicted, len(health.usable_ranks(nproc)), nproc,
+                                   self.config.recovery.min_nproc, self.config.multinode)
 
     def _summarise(self) -> None:
         """The leader's last line: steps, faults, recoveries, time lost, goodput."""
@@ -473,7 +503,7 @@ class Agent:
         """The event loop of one attempt: output, exits, control messages, mail, signals, deadlines."""
         result = self.result = AttemptResult()
         self.stopper = None
-        while self.job_workers():
+        while self.job_workers() or self.coordination.awaiting(time.monotonic()):
             for key, _ in self.selector.select(self.config.monitor_interval):
                 kind, data = key.data
                 if kind == OUTPUT:

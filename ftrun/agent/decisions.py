@@ -209,6 +209,21 @@ def rescue_outcome(rescue: Rescue, now: float) -> str | None:
     return rescue.reason
 
 
+def why_no_restart_here(node_evicted: bool, usable: int, nproc: int, min_nproc: int, multinode: bool) -> str | None:
+    """Why this node cannot take part in a group restart after GPU evictions, or None.
+
+    ``usable``: the GPUs of its ``nproc`` local ranks left. One node restarts with as few as --min-nproc;
+    across nodes every node starts --nproc-per-node workers, which the others' ranks count on.
+    """
+    if node_evicted:
+        return "this node is evicted"
+    floor, what = (nproc, f"--nproc-per-node {nproc}, which every node must start again") if multinode else \
+        (min_nproc, f"--min-nproc {min_nproc}")
+    if usable < floor:
+        return f"GPU evictions left {usable} usable GPU{'s' if usable != 1 else ''} on this node, below {what}"
+    return None
+
+
 def rescue_source(attempt: int, rescued: bool, run_dir: Path, resume_from: Path | None) -> Path | None:
     """The rescue directory attempt ``attempt``'s workers start from, or None (from scratch).
 

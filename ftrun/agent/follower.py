@@ -2,7 +2,9 @@
 
 A follower (an agent of node 1 and up) watches its own workers' hangs, renews its lease (and fences itself,
 killing its workers, when it cannot), with etcd watches the leader's lease (and stops when the leader is
-gone), and otherwise carries out what the leader decides.
+gone), and otherwise carries out what the leader decides. Its attempt ends with the leader's word: once every
+worker of this node has ended, and one of them failed, it waits for the leader to say whether the job
+succeeded, failed, or restarts its group.
 """
 
 from __future__ import annotations
@@ -46,7 +48,12 @@ class Follower:
         self.lease = lease
         self.watchdog = HangWatchdog(local, log, notices, HangPolicy(fixed=hang_timeout))
         self.forwarded: dict[int, tuple[int, float]] = {}  # uid -> (gen, monotonic time) of the last forwarded commit
-        self.stop_reason: str | None = None
+        self.stop_reason: str | None = None  # the leader's word that the job failed, or why this node stops
+        self.restart_to: int | None = None  # the leader's word: the group restarts as this attempt
+        self.leader_done = False  # the leader's word: the job succeeded
+        self.failed_here = False  # a worker of this node failed in this attempt
+        self.finished_here = False  # a worker of this node ended with exit code 0 (training is over)
+        self.saved: dict[int, int] = {}  # the steps this node's workers saved for a group restart, by uid
         # what this node knows of the job, for its status record
         self.plan = plan
         self.last_step: dict[int, int] = {}
@@ -62,13 +69,23 @@ class Follower:
 
     @property
     def restarting(self) -> bool:
-        """A follower never restarts its group on its own."""
+        """A follower never restarts its group on its own: only at the leader's word, once its workers ended."""
         return False
 
     @property
     def saved_step(self) -> int:
-        """A follower's workers save for a group restart only at the leader's word: the leader knows."""
-        return -1
+        """The step whose state this node's workers saved (at the leader's word) for a group restart (-1: none)."""
+        return max(self.saved.values(), default=-1)
+
+    def why_no_restart(self) -> str | None:
+        """The leader judges whether the group can restart: a follower knows of no reason."""
+        return None
+
+    def awaiting(self, now: float) -> bool:
+        """Whether this node waits for the leader's word with no worker left: one of them failed, none finished
+        training, and the leader has not said how the job ends (nor is this node fenced or the leader gone)."""
+        return self.failed_here and not self.finished_here and self.stop_reason is None \
+            and self.restart_to is None and not self.leader_done and self.lease.fence_reason(now) is None
 
     def adopted(self, uid: int) -> bool:
         """Whether worker ``uid`` joined through the worker API."""
@@ -79,8 +96,9 @@ class Follower:
         return []
 
     def succeeded(self) -> bool:
-        """A follower's part succeeded unless the leader or its lease stopped it."""
-        return self.stop_reason is None and self.lease.fence_reason(time.monotonic()) is None
+        """A follower's part succeeded unless the leader stopped it or restarts the group, or its lease ran out."""
+        return self.stop_reason is None and self.restart_to is None \
+            and self.lease.fence_reason(time.monotonic()) is None
 
     # ------------------------------------------------------------ inputs
     def on_mail(self, message: dict[str, Any]) -> None:
@@ -98,6 +116,12 @@ class Follower:
             self.control.start_worker(slot.local_rank, rank=None, respawn_of=slot)
         elif kind == protocol.STOP:
             self.stop_reason = message["reason"]
+        elif kind == protocol.RESTART:
+            self.restart_to = message["attempt"]
+            if self.local.live():  # none should be left: the leader waited for every worker's end
+                self.control.stop_all()
+        elif kind == protocol.DONE:
+            self.leader_done = True
 
     def on_start(self, worker: Worker) -> None:
         """A worker of this node started."""
@@ -116,6 +140,8 @@ class Follower:
             return  # node-local: only the watchdog needs it
         elif kind == protocol.FINISHED:
             self.watchdog.finished(uid)
+        elif kind == protocol.SAVED and not message.get("error"):
+            self.saved[uid] = message["step"]
         elif kind == protocol.PROGRESS:
             self.watchdog.committed(uid, message["step"], message["step_time"])
             self.last_step[uid] = message["step"]
@@ -130,10 +156,12 @@ class Follower:
 
     def on_finished(self, worker: WorkerHandle) -> None:
         """A worker of this node ended with exit code 0."""
+        self.finished_here = True
         self._tell_leader({"t": protocol.WORKER_EXITED, "uid": worker.uid, "code": 0})
 
     def on_faults(self, faults: list[tuple[WorkerHandle, WorkerFailure]]) -> bool:
         """Workers of this node failed: the leader decides; this node carries on meanwhile."""
+        self.failed_here = True
         for worker, failure in faults:
             self._tell_leader({"t": protocol.WORKER_EXITED, "uid": worker.uid, "code": failure.exitcode,
                                "failure": asdict(failure)})
@@ -174,7 +202,7 @@ class Follower:
             return None
         return lost[0][1] if lost else None
 
-    def close(self, reason: str | None) -> None:
+    def close(self, reason: str | None, restart: int | None = None) -> None:
         """Nothing to tell anyone: the leader learns of this node's end from its workers' exits and its lease."""
 
     # ------------------------------------------------------------ effects

@@ -51,7 +51,7 @@ class GpuHealth:
     """
 
     def __init__(self, log: EventSink, notices: Notices, workers: LocalWorkers, end_attempt: Callable[[str], None],
-                 table: XidTable, *, local_ranks: int, min_nproc: int, poll_interval: float = 5.0) -> None:
+                 table: XidTable, *, local_ranks: int, poll_interval: float = 5.0) -> None:
         self.log = log
         self.notices = notices
         self.workers = workers
@@ -59,7 +59,6 @@ class GpuHealth:
         self.table = table
         self.local_ranks = local_ranks
         """Local ranks this node may start workers on: --nproc-per-node and the spares'."""
-        self.min_nproc = min_nproc
         self.monitor = NvmlMonitor(self._post, poll_interval=poll_interval)
         self.monitoring = False
         self.evicted: set[int] = set()
@@ -137,16 +136,6 @@ class GpuHealth:
     def usable_ranks(self, nproc: int) -> list[int]:
         """The local ranks below ``nproc`` a worker may be started on."""
         return [rank for rank in range(nproc) if self.usable(rank)]
-
-    def why_no_restart(self, nproc: int) -> str | None:
-        """Why the group (``nproc`` local ranks) cannot restart on this node after GPU evictions, or None."""
-        if self.node_evicted:
-            return "this node is evicted"
-        usable = len(self.usable_ranks(nproc))
-        if usable < self.min_nproc:
-            return (f"GPU evictions left {usable} usable GPU{'s' if usable != 1 else ''} on this node, "
-                    f"below --min-nproc {self.min_nproc}")
-        return None
 
     def workers_on(self, gpu: int) -> list[Worker]:
         """The live workers (members, spares, joiners) whose local rank uses GPU ``gpu``."""

@@ -94,6 +94,20 @@ class Leader:
         """The step whose state the live workers saved for a group restart (-1: none)."""
         return max(self.rescue.saved.values(), default=-1) if self.rescue is not None else -1
 
+    @property
+    def restart_to(self) -> None:
+        """The leader decides group restarts; it is never told one."""
+        return None
+
+    def awaiting(self, now: float) -> bool:
+        """The leader's attempt ends when every worker of the job has."""
+        return False
+
+    def why_no_restart(self) -> str | None:
+        """Why the job's group cannot restart on the same nodes, or None: a node was lost in this attempt."""
+        lost = self.nodes.lost if self.nodes is not None else {}
+        return "; ".join(f"node {node} was lost ({why})" for node, why in sorted(lost.items())) or None
+
     def adopted(self, uid: int) -> bool:
         """Whether worker ``uid`` joined through the worker API."""
         return uid in self.members.adopted
@@ -241,10 +255,11 @@ class Leader:
         if gen == self.plan.gen:
             self._trouble(time.monotonic()).stuck_nodes.add(node)
 
-    def close(self, reason: str | None) -> None:
-        """The attempt is over: when it failed, every other node stops its workers too."""
-        if reason is not None and self.nodes is not None:
-            self.nodes.stop(reason)
+    def close(self, reason: str | None, restart: int | None = None) -> None:
+        """The attempt is over: every other node is told how (it succeeded, failed with ``reason``, or the
+        group restarts as attempt ``restart``)."""
+        if self.nodes is not None:
+            self.nodes.end(reason, restart)
 
     # ------------------------------------------------------------ effects
     def _trouble(self, now: float) -> LinkTrouble:

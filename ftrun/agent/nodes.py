@@ -77,6 +77,7 @@ class RemoteNodes:
         self.control = control
         self.coordination = coordination
         self.remote: dict[int, RemoteWorker] = {}  # the other nodes' workers, by uid
+        self.lost: dict[int, str] = {}  # the nodes lost in this attempt: why, by node
 
     def live(self) -> list[RemoteWorker]:
         """The other nodes' workers that have not ended."""
@@ -126,8 +127,13 @@ class RemoteNodes:
         """Declare ``node`` lost (gone since ``since``, wall clock): its workers are one fault."""
         self.leases.forget(node)
         lost = [w for w in self.live() if node_of(w.uid) == node]
+        if not any(node_of(uid) == node for uid in self.remote):  # lost before its workers started
+            self.lost[node] = why
+            self.control.end_attempt(f"node {node} was lost before its workers started: {why}")
+            return
         if not lost:
             return  # its workers had all ended: it was done, not lost
+        self.lost[node] = why
         self.log.write(events.NODE_LOST, node=node, reason=why, ranks=[w.slot.rank for w in lost])
         self.notices.notice(f"ftrun: node {node} lost: {why}", style="bold yellow")
         faults: list[tuple[WorkerHandle, WorkerFailure]] = []
@@ -149,7 +155,13 @@ class RemoteNodes:
         one batch of mail."""
         mail(self.outbox, [relay_mail(w.uid, data) for w in workers])
 
-    def stop(self, reason: str) -> None:
-        """The leader gives up: every other node stops its workers too."""
-        message = {"t": protocol.STOP, "reason": f"the leader stopped: {reason}"}
-        mail(self.outbox, [(keys.node_box(node), message) for node in range(1, self.nnodes)])
+    def end(self, reason: str | None, restart: int | None) -> None:
+        """Tell every other node how the leader's attempt ended: it succeeded (``reason`` None), the group
+        restarts as attempt ``restart``, or it failed with ``reason`` (each node stops its workers too)."""
+        if restart is not None:
+            message: dict[str, Any] = {"t": protocol.RESTART, "attempt": restart, "reason": reason or ""}
+        elif reason is None:
+            message = {"t": protocol.DONE}
+        else:
+            message = {"t": protocol.STOP, "reason": f"the leader stopped: {reason}"}
+        mail(self.outbox, [(keys.node_box(node), message) for node in range(1, self.nnodes) if node not in self.lost])

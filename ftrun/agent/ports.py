@@ -80,6 +80,9 @@ class WorkerControl(Protocol):
     def workers_failed(self, faults: list[tuple[WorkerHandle, WorkerFailure]]) -> None:
         """Workers failed together: recover in place if the coordination can, else end the attempt."""
 
+    def end_attempt(self, reason: str) -> None:
+        """Kill every worker of this node now: the attempt fails with ``reason``."""
+
 
 class GpuUse(Protocol):
     """What recovery needs to know of GPU health on this node."""
@@ -175,5 +178,16 @@ class Coordination(Protocol):
     def succeeded(self) -> bool:
         """Whether this node's part of the attempt succeeded, once every worker has ended."""
 
-    def close(self, reason: str | None) -> None:
-        """The attempt is over (``reason``: why it failed, None if it succeeded)."""
+    @property
+    def restart_to(self) -> int | None:
+        """The attempt the leader restarts the group as, told to this follower (None: not told; the leader's)."""
+
+    def why_no_restart(self) -> str | None:
+        """Why the job's group cannot restart on the same nodes (the leader knows: a node was lost), or None."""
+
+    def awaiting(self, now: float) -> bool:
+        """Whether the attempt goes on with no worker of this node left (a follower waits for the leader's word)."""
+
+    def close(self, reason: str | None, restart: int | None = None) -> None:
+        """The attempt is over (``reason``: why it failed, None if it succeeded; ``restart``: the attempt the
+        group restarts as)."""

@@ -172,6 +172,7 @@ class Session:
             self._recover()
         else:
             self._restore_rescue()
+            self._start_together()
             self._refresh()
         step = self.committed_step + 1
         while step < total:
@@ -307,6 +308,22 @@ class Session:
                 if self.rank == 0:
                     print(f"ftrun: resuming from the state of step {self.committed_step} saved in {source}",
                           file=sys.stderr, flush=True)
+
+    def _start_together(self) -> None:
+        """Every rank starts from the same committed state: the newest any of them restored (each node reads
+        its own rescue directory, which may hold another step, or nothing), sent to the ranks behind.
+
+        Sharded state keeps no rescue files and starts as it is. A collective that fails here is met as
+        in a step: the next generation's recovery agrees again.
+        """
+        if self.redundancy is not None or self.world_size == 1:
+            return
+        try:
+            best, source, behind = self._agree(time.monotonic() + self.recovery_timeout)
+            self._transfer(best, source, behind)
+        except (CollectiveFailed, LinkFailure, dist.DistError) as exc:
+            self._swallowed = exc
+            self.collectives.fail()
 
     @property
     def _rescue_dir(self) -> Path:

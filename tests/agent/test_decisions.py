@@ -9,7 +9,8 @@ import pytest
 from ftrun.agent.decisions import (Act, LinkTrouble, MAX_REFORMS, Membership, REFORM_GRACE, Recovery,
                                    RecoveryOptions, Rescue, decide_deadline, decide_fault, decide_join,
                                    decide_link_fault, links_to_cut, lost_ranks, next_plan, recovery_summary,
-                                   rescue_outcome, split_lost, succeeded, waiting_for, why_not_in_place)
+                                   rescue_outcome, split_lost, succeeded, waiting_for, why_no_restart_here,
+                                   why_not_in_place)
 from ftrun.protocol import Plan
 
 pytestmark = pytest.mark.fast
@@ -309,3 +310,13 @@ def test_failures_that_persist_after_re_forms_restart_the_group():
     assert decision.act is Act.RESCUE and f"after {MAX_REFORMS} re-forms" in decision.reason
     trouble.acted = True
     assert decide_link_fault(members(), trouble, {0}, reforms=0, now=5.0).act is Act.NONE  # decided already
+
+
+def test_gpu_evictions_refuse_a_restart_below_min_nproc_on_one_node_and_below_nproc_across_nodes():
+    assert why_no_restart_here(False, usable=3, nproc=4, min_nproc=2, multinode=False) is None
+    assert why_no_restart_here(False, usable=1, nproc=4, min_nproc=2, multinode=False) == \
+        "GPU evictions left 1 usable GPU on this node, below --min-nproc 2"
+    # across nodes every node starts --nproc-per-node workers: the other nodes' ranks count on them
+    assert "below --nproc-per-node 4, which every node must start again" in \
+        why_no_restart_here(False, usable=3, nproc=4, min_nproc=2, multinode=True)
+    assert why_no_restart_here(True, usable=4, nproc=4, min_nproc=1, multinode=False) == "this node is evicted"

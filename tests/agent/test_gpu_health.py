@@ -241,7 +241,7 @@ def health_for(tmp_path):
 
     def make(nproc: int = 4) -> tuple[GpuHealth, StubNode]:
         node = StubNode(tmp_path, nproc)
-        health = GpuHealth(node.events, node, node, node.end_attempt, DEFAULT_TABLE, local_ranks=nproc, min_nproc=1,
+        health = GpuHealth(node.events, node, node, node.end_attempt, DEFAULT_TABLE, local_ranks=nproc,
                            poll_interval=0.05)
         node.selector.register(health.wake_fd, selectors.EVENT_READ, "gpu")
         health.start()
