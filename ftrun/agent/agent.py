@@ -26,36 +26,29 @@ from ftrun.agent.decisions import RecoveryOptions, rescue_source, why_no_restart
 from ftrun.agent.drills import Drills
 from ftrun.agent.failures import AttemptResult, WorkerFailure, describe_failure, format_report
 from ftrun.agent.follower import Follower
-from ftrun.agent.forkserver import ForkRefused
 from ftrun.agent.gpu_health import GpuHealth
 from ftrun.agent.leader import Leader, LeaderSetup
 from ftrun.agent.nodes import RemoteNodes
 from ftrun.agent.pool import CHANNEL, EXIT, OUTPUT, WorkerPool
+from ftrun.agent.node_links import NodeLinks, start_links
 from ftrun.agent.ports import Coordination, WorkerHandle
 from ftrun.agent.shutdown import OnSignal, on_signal, schedule
 from ftrun.agent.status_record import RunInfo, StatusPublisher
 from ftrun.agent.stopper import Stopper
+from ftrun.agent.store_access import StoreAccess
 from ftrun.agent.workers import Worker, WorkerSlot
-from ftrun.config import Endpoint, LaunchConfig
+from ftrun.config import LaunchConfig
 from ftrun.console import Console
 from ftrun.errors import EXIT_OK, EXIT_SIGNAL_BASE, EXIT_WORKERS_FAILED, UsageError
 from ftrun.events import EventLog
 from ftrun.nccl import startup_notices
 from ftrun.processes import SignalWake, signal_name
-from ftrun.store import keys
 from ftrun.store.auth import Seal, write_secret_file
-from ftrun.store.client import open_client_retrying
-from ftrun.store.etcd import EtcdKeyValue, answering
+from ftrun.store.etcd import answering
 from ftrun.store.host import StoreHost
 from ftrun.store.job import JobStore
-from ftrun.store.kv import KeyValue
-from ftrun.store.leases import LeaseKeeper, NodeLeases, fence_margin
-from ftrun.store.mailbox import MailReader, Outbox
-from ftrun.store.wire import StoreClient
 from ftrun.tally import run_summary
 
-STORE_TIMEOUT = 300.0
-"""Seconds an agent's store calls may wait (a follower waits this long for node 0 to serve the store)."""
 SIGNAL, MAIL, GPU = "signal", "mail", "gpu"
 """The tags of the agent's own selector registrations."""
 FORK_SERVER_WAIT = 300.0
@@ -67,7 +60,6 @@ class Agent:
 
     def __init__(self, config: LaunchConfig, store_host: StoreHost | None, console: Console) -> None:
         self.config = config
-        self.store_host = store_host  # None: another process serves the store (node 0, or the hostfile launcher)
         self.console = console
         root = config.log_dir or registry.default_runs_root()
         try:
@@ -79,6 +71,7 @@ class Agent:
         self.run_name = run.name
         """The run's name (its directory's), the same on every node: the run id `ftrun status` shows."""
         self.seal = Seal(config.secret)
+        self.access = StoreAccess(config, store_host, self.seal, console)
         self.log = EventLog(self.run_dir / "events.jsonl", console.notice)
         self.selector = selectors.DefaultSelector()
         self.pool = WorkerPool(config, self.selector, console, self.log, self.run_dir)
@@ -91,13 +84,8 @@ class Agent:
         self.attempt_failure: str | None = None  # set by end_attempt: why the current attempt is being ended
         self.store: JobStore | None = None  # the agent's own store handle, once the store is served
         self.group_store: JobStore | None = None  # the process groups' TCPStore, where this agent serves it
-        self.store_lifeline: int | None = None  # the store's process (forked by the fork server) lives while this is open
         self.coordination: Coordination | None = None  # one per attempt, made before its event loop starts
-        self.mail: MailReader | None = None
-        self.outbox: Outbox | None = None  # this agent's messages to the other agents, numbered for the run
-        self.node_leases: NodeLeases | None = None  # the leader's view of the followers' leases
-        self.lease: LeaseKeeper | None = None  # a follower's own lease (node 0's too, with etcd)
-        self.leader_lease: NodeLeases | None = None  # with etcd, a follower's view of node 0's lease
+        self.links: NodeLinks | None = None  # mailbox, outbox and leases, once the store answers
         self.gpu_health = GpuHealth(self.log, console, self.pool, self.end_attempt, config.xid_table,
                                     local_ranks=config.nproc_per_node + config.recovery.spares)
         self.status = StatusPublisher(RunInfo(self.run_name, config.run_id, str(self.run_dir), config.node_rank,
@@ -155,11 +143,9 @@ class Agent:
         finally:
             self.pool.stop_fork_server()
             self.gpu_health.stop()
-            for service in (self.mail, self.lease):
-                if service is not None:
-                    service.stop()
-            if self.store_lifeline is not None:
-                os.close(self.store_lifeline)  # the store's process ends
+            if self.links is not None:
+                self.links.stop()
+            self.access.close()  # the store's process ends
             if self.registered is not None:
                 registry.unregister(self.registered)
             os.close(mail_r)
@@ -182,7 +168,9 @@ class Agent:
         self.pool.start_fork_server()
         if self.config.etcd is not None and self.config.store.port == 0:
             with answering(self.config.etcd):
-                self._find_group_store()
+                where = self.access.find_group_store()
+            self.config = self.pool.config = self.access.config = dataclasses.replace(
+                self.config, store=where, master_addr=where.host)
         while True:
             self._start_group()  # waits for the fork server: it serves the store too
             if self.store is None:  # registered once it answers
@@ -274,115 +262,40 @@ class Agent:
         for text, style in startup_notices(server.torch if server is not None else None):
             self.console.notice(text, style=style)
 
-    def _connect(self, timeout: float = STORE_TIMEOUT) -> JobStore:
-        """A new client connection to ftrun's keys in the job's store: the etcd cluster with that backend, else
-        the TCPStore (torch-free, so a mailbox reader's waits on its bell can be interrupted at stop and time
-        out without a log line)."""
-        if self.config.etcd is not None:
-            return JobStore(EtcdKeyValue(self.config.etcd, timeout), self.seal)
-        return JobStore(StoreClient(self._store_host(), self.config.store.port, timeout), self.seal)
-
-    def _store_host(self) -> str:
-        """Where this agent reaches the job's store."""
-        return self.store_host.client_host if self.store_host is not None else self.config.store.host
-
-    def _find_group_store(self) -> None:
-        """With etcd, a node other than 0 learns there where node 0 serves the process groups' store, before it
-        starts workers (they rendezvous through it)."""
-        store = self._connect()
-        where = store.read_group_store(0.0)
-        if where is None:
-            self.console.progress(f"waiting for node 0 to say where it serves the process groups' store: up to "
-                                  f"{STORE_TIMEOUT:.0f} s")
-            where = store.read_group_store(STORE_TIMEOUT)
-            self.console.progress(None)
-        if where is None:
-            raise UsageError(f"node 0 did not publish its store in etcd ({self.config.etcd.describe()}, run id "
-                             f"{self.config.run_id}) within {STORE_TIMEOUT:.0f} s: is it running, with the same "
-                             "--rdzv-id?")
-        self.config = self.pool.config = dataclasses.replace(self.config, store=Endpoint(*where), master_addr=where[0])
-
-    def _serve_hosted(self) -> KeyValue:
-        """Serve the store this agent hosts from a process the fork server forks (torch is imported there, so
-        this process never imports it), else from this process; this agent's connection to it."""
-        host, server = self.store_host, self.pool.fork_server
-        if server is not None and server.ready():
-            try:
-                _, self.store_lifeline = server.fork_store(host.client_host, host.port, host.sock.fileno())
-            except ForkRefused as refused:
-                self.console.notice(f"ftrun: {refused}; ftrun serves the store itself", style="yellow")
-            else:
-                host.close()  # the store's process has the socket now
-                return StoreClient(host.client_host, host.port, STORE_TIMEOUT)
-        return host.start()
-
     def _open_store(self, mail_w: int) -> JobStore:
         """Serve the store (or connect to it), and start this node's mailbox reader and lease."""
         config = self.config
-        if self.store_host is not None:
-            store = self.group_store = JobStore(self._serve_hosted(), self.seal)
-            if config.etcd is not None:
-                store = self._connect()
-                store.publish_group_store(config.store.host, config.store.port)
-        elif self.leader:
-            store = self.group_store = self._connect()
-        elif config.etcd is not None:  # calls short enough to fence in time, as below
-            store = self._connect(fence_margin(config.node_timeout) / 2)
-        else:  # calls short enough that its loop, cut off, still fences itself before the leader evicts it
-            where = f"{config.store.host}:{config.store.port}"
-            store = JobStore(open_client_retrying(
-                config.store.host, config.store.port, fence_margin(config.node_timeout) / 2, STORE_TIMEOUT,
-                lambda: self.console.progress(f"waiting for the store at {where} (node 0 serves it): up to "
-                                              f"{STORE_TIMEOUT:.0f} s")), self.seal)
-            self.console.progress(None)
+        store, self.group_store = self.access.open(self.leader, self.pool.fork_server)
         if self.leader:
             store.write_job({"run_id": self.run_dir.name, "rdzv_id": config.run_id, "nnodes": config.min_nodes,
                              "world_size": config.world_size, "run_dir": str(self.run_dir)})
         if not config.under_launcher:  # only now: `ftrun status` and `inject` find a job whose store answers
             self.registered = self._register()
-        senders = [keys.node_box(n) for n in range(1, config.min_nodes)] if self.leader else [keys.LEADER_BOX]
-        if self.leader and config.under_launcher:
-            senders.append(keys.LAUNCHER)
-        self.mail = MailReader(self._connect, keys.node_box(config.node_rank), mail_w, protocol.mail_problem,
-                               tuple(senders))
-        self.outbox = Outbox(store, keys.node_box(config.node_rank))
-        self.mail.start()
-        if config.multinode and self.leader:
-            self.node_leases = NodeLeases(store, list(range(1, config.min_nodes)), config.node_timeout,
-                                          time.monotonic())
-        if config.multinode and (not self.leader or config.etcd is not None):
-            # a renewal that hangs gives up in time to retry before the lease would fence this node; node 0
-            # renews one too where the store outlives it (etcd), and the followers watch it there
-            self.lease = LeaseKeeper(lambda: self._connect(config.node_timeout / 4), config.node_rank,
-                                     config.node_timeout, "etcd" if config.etcd else "node 0's store")
-            self.lease.start()
-        if config.multinode and not self.leader and config.etcd is not None:
-            self.leader_lease = NodeLeases(store, [0], config.node_timeout, time.monotonic(), evicts=False,
-                                           looks_per_timeout=2)  # two requests a look: 0.4 a second at 10 s
+        self.links = start_links(config, self.leader, store, self.access, mail_w)
         self.status.store, self.status.dropped = store, self._dropped
         return store
 
     def _dropped(self) -> dict[str, Any]:
         """Messages this agent refused: from its mailbox (unsigned, forged, malformed) and its workers' channels."""
-        mail = self.mail
+        mail = self.links.mail if self.links is not None else None
         return {"mail": mail.dropped if mail else 0, "channel": self.pool.dropped,
                 "last": mail.last_dropped if mail else None}
 
     def _coordination(self) -> Coordination:
         """The current attempt's coordination: the leader's, or this follower's."""
-        config = self.config
+        config, links = self.config, self.links
         if not self.leader:
             return Follower(config.node_rank, protocol.Plan(0, protocol.initial_members(self.sizes)),
-                            config.recovery.hang_timeout, self.outbox, self.log, self.console, self, self.pool,
-                            self.lease, self.leader_lease)
+                            config.recovery.hang_timeout, links.outbox, self.log, self.console, self, self.pool,
+                            links.lease, links.leader_lease)
         recovery = config.recovery
         options = RecoveryOptions(recovery.enabled, recovery.min_nproc, recovery.recovery_timeout,
                                   recovery.join_timeout)
         setup = LeaderSetup(self.restart_count, self.sizes, options, recovery.respawn, recovery.hang_timeout,
                             config.multinode, self.restarted_after)
         leader = Leader(setup, self.store, self.log, self.console, self, self.pool, self.gpu_health)
-        if self.node_leases is not None:
-            leader.nodes = RemoteNodes(self.outbox, self.node_leases, config.min_nodes, self.restart_count, self.log,
+        if links.node_leases is not None:
+            leader.nodes = RemoteNodes(links.outbox, links.node_leases, config.min_nodes, self.restart_count, self.log,
                                        self.console, self, leader)
         return leader
 
@@ -446,7 +359,8 @@ class Agent:
     def _fenced_leader(self, now: float) -> str | None:
         """With etcd, node 0 renews a lease too: when it cannot, it stops its workers at once (the followers,
         which see its lease run out, stop theirs); why, or None."""
-        fence = self.lease.fence_reason(now) if self.leader and self.lease is not None else None
+        lease = self.links.lease
+        fence = lease.fence_reason(now) if self.leader and lease is not None else None
         if fence is not None and not self.stopping():
             self.log.write(events.FENCED, reason=fence)
             self.stop_all(signal.SIGKILL)
@@ -540,7 +454,7 @@ class Agent:
             os.read(mail_r, 4096)
         except BlockingIOError:
             pass
-        for message in self.mail.take():
+        for message in self.links.mail.take():
             if "cmd" in message:
                 handler = self.commands.get(message["cmd"])
                 if handler is None:

@@ -120,3 +120,49 @@ def test_a_one_node_job_finishes_when_its_etcd_goes_away(launcher_env, workload,
     out = "".join(lines)
     assert proc.returncode == 0 and "Traceback" not in err, err[-3000:]
     assert " step=3 " in out and "step=39 " in out, out[-2000:]
+
+
+def test_a_two_node_job_does_not_notice_the_loss_of_one_etcd_member_of_three(launcher_env, workload, secret_file,
+                                                                          tmp_path):
+    # the member killed is the first endpoint: the one every client of both agents (records, mailboxes, node
+    # 1's lease and its watch of node 0's lease) talks to. They carry on against the other two, within the
+    # leases' 2 s: no node is fenced or lost, no worker is touched, and training runs through at world 4.
+    (tmp_path / "etcd").mkdir()
+    cluster = Cluster(tmp_path / "etcd", size=3)
+    hold = tmp_path / "hold"  # held at 0.2 s a step: the job runs well past --node-timeout after the kill
+    hold.touch()
+    env = {**launcher_env, "FTRUN_SECRET_FILE": secret_file, "HOLD": str(hold)}
+    common = ["--nnodes", "2", "--nproc-per-node", "2", "--node-timeout", "2", *etcd_flags(cluster, "member-lost")]
+    training = [workload("held_train.py"), "--steps", "40", "--width", "64"]
+    nodes = [subprocess.Popen([*FTRUN, *common, "--node-rank", str(node), *(["--master-addr", "127.0.0.1"] * (node == 0)),
+                               "--log-dir", str(tmp_path / f"node{node}"), *training], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for node in (1, 0)]
+    try:
+        lines = []
+        for line in nodes[1].stdout:  # node 0's, to its end
+            lines.append(line)
+            if " step=3 " in line and not hold.with_suffix(".killed").exists():
+                cluster.members[0].kill()
+                hold.with_suffix(".killed").touch()
+            if " step=30 " in line:
+                hold.unlink(missing_ok=True)  # 27 held steps (5.4 s) after the kill: on at full speed
+        nodes[1].wait(TIMEOUT)
+        _, err1 = nodes[0].communicate(timeout=TIMEOUT)
+        err0 = nodes[1].stderr.read()
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+        cluster.stop()
+    leader = read_run(subprocess.CompletedProcess(nodes[1].args, nodes[1].returncode, "".join(lines), err0),
+                      tmp_path / "node0")
+    why = f"{leader.explain()}\n--- node 1\n{err1[-3000:]}"
+    assert hold.with_suffix(".killed").exists() and (nodes[1].returncode, nodes[0].returncode) == (0, 0), why
+    for kind in ("fenced", "node_lost", "fault", "recovery", "group_failure"):
+        assert not leader.of(kind), why
+    node1_events = (tmp_path / "node1").glob("*/node1/events.jsonl")
+    assert not [e for path in node1_events for e in map(json.loads, path.read_text().splitlines())
+                if e["event"] in ("fenced", "fault")], why
+    commits = leader.commits()
+    for uid in (0, 1):
+        assert [(c.step, c.world) for c in commits[uid]] == [(step, 4) for step in range(40)], why
