@@ -85,6 +85,9 @@ INJECT = EventKind("inject", ("kind", "rank", "uid", "pid", "args"))
 """A drill of ``ftrun inject`` was carried out."""
 NODE_LOST = EventKind("node_lost", ("node", "reason", "ranks"))
 """The leader declared a node lost (its lease ran out, or its agent ended)."""
+LEADER = EventKind("leader", ("node", "term", "store", "reason"))
+"""Node ``node`` was elected leader (``term``: 1 for the first after node 0) through etcd, and serves the
+process groups' store at ``store`` from now on; ``reason``: why the leader before it was lost."""
 FENCED = EventKind("fenced", ("reason",))
 """A follower stopped its own workers: it lost its lease, or the leader evicted it."""
 UNKILLABLE = EventKind("unkillable", ("uid", "rank", "pid", "state", "waited"))
@@ -103,7 +106,7 @@ GPU_HEALTH = EventKind("gpu_health", ("kind", "gpu", "local_rank", "value", "act
 KINDS: dict[str, EventKind] = {kind.name: kind for kind in (
     START, WORKER_START, WORKER_EXIT, FAULT, GENERATION, RECOVERY, RECOVERY_REFUSED, RECOVERY_FAILED, RESCUE,
     JOINER_READY, JOINER_LOST, GROUP_FAILURE, PROGRESS, RESUMED, ATTEMPT_END, END, LINK_FAULT, HANG, INJECT, NODE_LOST,
-    FENCED, GPU_HEALTH, UNKILLABLE, WRITES_DROPPED, FORK_SERVER)}
+    FENCED, LEADER, GPU_HEALTH, UNKILLABLE, WRITES_DROPPED, FORK_SERVER)}
 """Every kind of event, by name."""
 
 

@@ -120,11 +120,18 @@ class Job:
         return str(self.info.get("run_id"))
 
     def ranks(self) -> dict[int, int]:
-        """The job's live ranks and the node running each, from a ping of every node's agent."""
-        where = {}
+        """The job's live ranks and the node running each, from a ping of every node's agent (a node that does
+        not answer, lost in the run, runs none; UsageError when none answers)."""
+        where, silent = {}, None
         for node in range(int(self.info["nnodes"])):
-            answer = self.store.request(keys.node_box(node), {"cmd": protocol.PING})
+            try:
+                answer = self.store.request(keys.node_box(node), {"cmd": protocol.PING})
+            except UsageError as exc:
+                silent = exc
+                continue
             where.update({int(rank): node for rank in answer.get("ranks", {})})
+        if not where and silent is not None:
+            raise silent
         return where
 
     def inject(self, message: dict[str, Any], ranks: dict[int, int] | None = None) -> dict[str, Any]:

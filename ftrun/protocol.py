@@ -51,6 +51,7 @@ WORKER_MESSAGE = "msg"  # a follower's worker said something on its channel: {ui
 WORKER_EXITED = "exit"  # a follower's worker ended: {uid, code, failure (a WorkerFailure's fields) unless code 0}
 NODE_GONE = "node_gone"  # the hostfile launcher saw a node's agent end: {node, reason, since (wall clock)}
 NODE_STUCK = "node_stuck"  # every rank of a follower waits in a collective past its hang timeout: {node, gen, reason}
+FOLLOWING = "following"  # a follower told the new leader of its workers (after them) after an election: {node, term}
 # the leader -> a follower's mailbox
 RELAY = "relay"  # control messages for one of its workers: {uid, data (JSON lines)}
 SIGNAL = "signal"  # signal one of its workers: {uid, sig}
@@ -90,6 +91,7 @@ class Plan:
     lost: list[int] = field(default_factory=list)
     joiners: list[int] = field(default_factory=list)
     probe: bool = False  # before forming, every member checks it can connect to every other (a link fault)
+    store: str = ""  # "host:port" of the process groups' store from this generation on ("": where it was)
 
     @property
     def world_size(self) -> int:
@@ -162,6 +164,20 @@ def _timings(value: Any) -> bool:
         and all(isinstance(k, str) and _number(v) for k, v in value.items())
 
 
+def _address(value: Any) -> bool:
+    """"" or "host:port" (a store's address in a plan)."""
+    if not isinstance(value, str):
+        return False
+    host, _, port = value.rpartition(":")
+    return value == "" or bool(host) and port.isdigit() and port.isascii() and 0 < int(port) < 65536
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """A plan's "host:port" store address as (host, port)."""
+    host, _, port = address.rpartition(":")
+    return host, int(port)
+
+
 def _signal(value: Any) -> bool:
     return type(value) is int and value in _SIGNALS
 
@@ -186,7 +202,7 @@ FROM_WORKER: dict[str, dict[str, Check]] = {
 """Every message a worker sends its agent, with the fields the agent reads."""
 
 TO_WORKER: dict[str, dict[str, Check]] = {
-    PLAN: {"gen": _int, "members": _uids, "reason": _text, "lost": _uids, "joiners": _uids},
+    PLAN: {"gen": _int, "members": _uids, "reason": _text, "lost": _uids, "joiners": _uids, "store": _address},
     SAVE: {},
     RAISE: {"message": _text},
     SLOW: {"seconds": _number, "duration": _optional_number},
@@ -235,6 +251,7 @@ MAIL: dict[str, dict[str, Check]] = {
     WORKER_EXITED: {"uid": _int, "code": _int},
     NODE_GONE: {"node": _int, "reason": _text, "since": _number},
     NODE_STUCK: {"node": _int, "gen": _int, "reason": _text},
+    FOLLOWING: {"node": _int, "term": _int},
     RELAY: {"uid": _int, "data": _relayed},
     SIGNAL: {"uid": _int, "sig": _signal},
     START_WORKER: {"uid": _int, "local_rank": _int, "rank": _optional_int},

@@ -11,8 +11,12 @@ plans. Every store call of every simulated agent goes through a counter. Per N i
   ``--plans`` times; the latency from the start of each broadcast to the moment each follower's reader hands
   the message on, p50 and p99 over all followers and plans.
 
-Leader failover has nothing to measure here yet: node 0 leads every generation, with either store, and its
-loss ends the job (README, "Across nodes").
+* leader failover (etcd only: with the embedded store node 0's loss ends the job): the leader renews a lease
+  too, and every follower watches it as a follower's agent does (NodeLeases, two looks per timeout). The
+  leader stops renewing; each follower that sees the lease run out stands for leader of the next term
+  (ftrun.agent.failover.elect: one atomic add), and the others wait for the winner's word. Reported: the
+  time from the leader's last renewal to each follower knowing the new leader, p50 and max, against
+  ``--node-timeout`` (the target is under 2 x the lease time), and that exactly one node won.
 
     python scripts/bench_control_plane.py --agents 16 64 256 1024
     python scripts/bench_control_plane.py --agents 16 64 256 --etcd 127.0.0.1:2379
@@ -33,6 +37,7 @@ from typing import Any
 
 from torch.distributed import TCPStore
 
+from ftrun.agent.failover import elect
 from ftrun.store import keys
 from ftrun.store.auth import Seal, new_secret
 from ftrun.store.etcd import EtcdKeyValue, etcd_options
@@ -143,6 +148,39 @@ class Plane:
             raise SystemExit(f"plan {plan}: {len(followers) - len(latencies)} followers got nothing in 60 s")
         return list(latencies.values())
 
+    def failover(self, node_timeout: float, monitor_interval: float) -> tuple[list[float], set[int]]:
+        """Stop the leader's lease renewals; each follower's time from the last renewal to knowing the elected
+        leader (seconds), and the nodes that the followers were told lead."""
+        keeper = LeaseKeeper(self.connect, 0, node_timeout)
+        keeper.start()
+        while keeper.renewals < 2:  # renewing, and seen renewing
+            time.sleep(monitor_interval)
+        known: dict[int, tuple[float, int]] = {}
+        watchers = [threading.Thread(target=self._watch_leader, args=(node, node_timeout, monitor_interval, known))
+                    for node in range(1, len(self.readers))]
+        for watcher in watchers:
+            watcher.start()
+        time.sleep(node_timeout / 2)  # the watchers have looked at least once
+        keeper.stop()
+        last_renewal = keeper.renewed
+        for watcher in watchers:
+            watcher.join(node_timeout * 10)
+        if len(known) < len(watchers):
+            raise SystemExit(f"failover: {len(watchers) - len(known)} followers learned of no leader")
+        return [when - last_renewal for when, _ in known.values()], {node for _, node in known.values()}
+
+    def _watch_leader(self, node: int, node_timeout: float, monitor_interval: float,
+                      known: dict[int, tuple[float, int]]) -> None:
+        """One follower: watch node 0's lease until it runs out, then elect (or learn) the next leader."""
+        store = self.connect()
+        lease = NodeLeases(store, [0], node_timeout, time.monotonic(), evicts=False, looks_per_timeout=2)
+        deadline = time.monotonic() + node_timeout * 8
+        while not lease.expired(time.monotonic()) and time.monotonic() < deadline:
+            time.sleep(monitor_interval)
+        won = elect(store, 1, node, lambda: ("127.0.0.1", 1), node_timeout)
+        if won is not None:
+            known[node] = (time.monotonic(), won.node)
+
     def close(self) -> None:
         for worker in [*self.readers, *self.leases]:
             worker.stop()
@@ -172,17 +210,24 @@ def main() -> None:
     backend = f"etcd at {args.etcd}" if args.etcd else "embedded store (TCPStore)"
     print(f"{backend}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; "
           f"--node-timeout {args.node_timeout:g}")
-    print(f"{'agents':>7} {'idle requests/agent/s':>22} {'plan p50 ms':>12} {'plan p99 ms':>12}  idle, by call")
+    print(f"{'agents':>7} {'idle requests/agent/s':>22} {'plan p50 ms':>12} {'plan p99 ms':>12} "
+          f"{'failover p50 s':>15} {'failover max s':>15}  idle, by call")
     for agents in args.agents:
         plane = Plane(agents, args.node_timeout, etcd_store(args.etcd, agents) if args.etcd else embedded_store())
         try:
             plane.broadcast(0)  # every reader connected and waiting on its bell
             idle, by_call = plane.idle_load(args.idle, args.monitor_interval)
             latencies = [t for plan in range(1, args.plans + 1) for t in plane.broadcast(plan)]
+            failover = "{:>15} {:>15}".format("-", "-")
+            if args.etcd:
+                took, leaders = plane.failover(args.node_timeout, args.monitor_interval)
+                if len(leaders) != 1:
+                    raise SystemExit(f"failover: the followers were told of {len(leaders)} leaders: {leaders}")
+                failover = f"{statistics.median(took):>15.2f} {max(took):>15.2f}"
         finally:
             plane.close()
         print(f"{agents:>7} {idle:>22.2f} {1000 * statistics.median(latencies):>12.1f} "
-              f"{1000 * percentile(latencies, 0.99):>12.1f}  "
+              f"{1000 * percentile(latencies, 0.99):>12.1f} {failover}  "
               + " ".join(f"{name} {rate:.2f}" for name, rate in sorted(by_call.items())), flush=True)
     etcd = f" --etcd {args.etcd}" if args.etcd else ""
     print(f"command: python scripts/bench_control_plane.py --agents {' '.join(map(str, args.agents))}{etcd}")

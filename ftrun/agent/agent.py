@@ -25,10 +25,12 @@ from ftrun.agent import metrics
 from ftrun.agent.decisions import RecoveryOptions, rescue_source, why_no_restart_here
 from ftrun.agent.drills import Drills
 from ftrun.agent.failures import AttemptResult, WorkerFailure, describe_failure, format_report
+from ftrun.agent.failover import (elect, follow_elected, serve_group_store, start_leading,
+                                  watch_followers)
 from ftrun.agent.follower import Follower
 from ftrun.agent.gpu_health import GpuHealth
 from ftrun.agent.leader import Leader, LeaderSetup
-from ftrun.agent.nodes import RemoteNodes
+from ftrun.agent.nodes import RemoteNodes, Takeover
 from ftrun.agent.pool import CHANNEL, EXIT, OUTPUT, WorkerPool
 from ftrun.agent.node_links import NodeLinks, start_links
 from ftrun.agent.ports import Coordination, WorkerHandle
@@ -37,7 +39,7 @@ from ftrun.agent.status_record import RunInfo, StatusPublisher
 from ftrun.agent.stopper import Stopper
 from ftrun.agent.store_access import StoreAccess
 from ftrun.agent.workers import Worker, WorkerSlot
-from ftrun.config import LaunchConfig
+from ftrun.config import Endpoint, LaunchConfig
 from ftrun.console import Console
 from ftrun.errors import EXIT_OK, EXIT_SIGNAL_BASE, EXIT_WORKERS_FAILED, UsageError
 from ftrun.events import EventLog
@@ -77,6 +79,7 @@ class Agent:
         self.pool = WorkerPool(config, self.selector, console, self.log, self.run_dir)
         self.leader = config.node_rank == 0
         self.restart_count = 0
+        self.term = 0  # elections held (with etcd): node 0 leads term 0
         self.rescued = False  # a group restart of this launch saved a state (its rescue directory holds it)
         self.stopper: Stopper | None = None  # the stop of the current attempt, once it began
         self.registered: Path | None = None  # this launch's entry in the run registry, once its store answers
@@ -296,7 +299,7 @@ class Agent:
         leader = Leader(setup, self.store, self.log, self.console, self, self.pool, self.gpu_health)
         if links.node_leases is not None:
             leader.nodes = RemoteNodes(links.outbox, links.node_leases, config.min_nodes, self.restart_count, self.log,
-                                       self.console, self, leader)
+                                       self.console, self, leader, config.node_rank)
         return leader
 
     # ----------------------------------------------------------- workers
@@ -365,6 +368,45 @@ class Agent:
             self.log.write(events.FENCED, reason=fence)
             self.stop_all(signal.SIGKILL)
         return fence
+
+    def leader_lost(self, lost: int, silent: float) -> str | None:
+        """The leader's lease ran out (etcd): elect another through etcd; this node leads (it serves the process
+        groups' store from now on, and plans without the lost leader's workers) or follows the one elected.
+        None once one leads, else why this node stops."""
+        config = self.config
+        why = f"node {lost}, the leader, has not renewed its lease for {silent:.1f} s (its agent is gone or cut off)"
+        try:
+            won = elect(self.store, self.term + 1, config.node_rank, self._serve_group_store, config.node_timeout)
+        except (RuntimeError, OSError, UsageError) as exc:
+            return f"{why}, and no other leader could be elected: {exc}; stopping this node's workers, their " \
+                   "committed state saved"
+        if won is None:
+            return f"{why}, and the node elected after it did not say where it serves the store within " \
+                   f"{config.node_timeout:g} s: stopping this node's workers, their committed state saved"
+        self.term = won.term
+        self.config = self.pool.config = self.access.config = dataclasses.replace(
+            config, store=Endpoint(won.host, won.port), master_addr=won.host)  # for workers started later
+        self.log.write(events.LEADER, node=won.node, term=won.term, store=won.store, reason=why)
+        if won.node != config.node_rank:
+            follow_elected(won, self.links, self.coordination, self.store, config.node_timeout)
+            self.console.notice(f"ftrun: node {config.node_rank}: {why}; node {won.node} was elected leader",
+                                style="bold yellow")
+            return None
+        others = [n for n in range(config.min_nodes) if n not in (lost, config.node_rank)]
+        watch_followers(self.links, self.store, others, config.node_timeout)
+        follower, self.leader, self.status.leads = self.coordination, True, True
+        self.coordination = self.status.coordination = self._coordination()
+        start_leading(self.coordination, follower, won, Takeover(lost, why, time.time() - silent, set(others),
+                                                                 time.monotonic() + config.node_timeout))
+        self.console.notice(f"ftrun: node {config.node_rank}: {why}; this node was elected leader (term {won.term}) "
+                            f"and serves the process groups' store at {won.store}", style="bold yellow")
+        return None
+
+    def _serve_group_store(self) -> tuple[str, int]:
+        """Serve the process groups' store on this node (it was elected leader): its host and port."""
+        self.group_store, host, port = serve_group_store(self.access, self.pool.fork_server, self.seal,
+                                                         self.config.store)
+        return host, port
 
     def save_and_stop(self) -> None:
         """The API's workers save their committed state (to ``<run dir>/rescue``), then every worker stops."""

@@ -42,6 +42,8 @@ class Follower:
         self.node_rank = node_rank
         self.leader_lease = leader_lease  # with etcd, where node 0's lease outlives it: its renewals, watched
         self.outbox = outbox
+        self.leader_node = 0  # the leader: node 0, until another node is elected
+        self.leader_box = keys.LEADER_BOX
         self.log = log
         self.control = control
         self.local = local
@@ -57,7 +59,8 @@ class Follower:
         # what this node knows of the job, for its status record
         self.plan = plan
         self.last_step: dict[int, int] = {}
-        self.joined: set[int] = set()  # workers that joined through the API
+        self.last_progress: dict[int, dict[str, Any]] = {}  # each worker's last commit, for a new leader
+        self.joined: dict[int, dict[str, Any]] = {}  # workers that joined through the API: their hello
         self.recovery_gen: int | None = None  # the generation being recovered into, until its first commit here
         self.stuck_told: int | None = None  # the generation this node last told the leader it is stuck in
 
@@ -133,7 +136,7 @@ class Follower:
         """A control message from a worker of this node: fed to the watchdog, passed on when the leader needs it."""
         uid, kind = worker.uid, message.get("t")
         if kind == protocol.HELLO:
-            self.joined.add(uid)
+            self.joined[uid] = message
             self.watchdog.started(uid)
         elif kind == protocol.ENTERED:
             self.watchdog.entered(uid, message["step"])
@@ -145,6 +148,7 @@ class Follower:
         elif kind == protocol.PROGRESS:
             self.watchdog.committed(uid, message["step"], message["step_time"])
             self.last_step[uid] = message["step"]
+            self.last_progress[uid] = message
             if message["gen"] == self.recovery_gen:
                 self.recovery_gen = None
             gen, last = self.forwarded.get(uid, (-1, 0.0))
@@ -180,11 +184,10 @@ class Follower:
                                "reason": stuck})
         silent = self._leader_silence(now)
         if silent is not None and self.stop_reason is None:
-            self.stop_reason = (f"node 0, the leader, has not renewed its lease for {silent:.1f} s (its agent is "
-                                "gone or cut off), and the job has no other leader yet: stopping this node's "
-                                "workers, their committed state saved")
-            self.log.write(events.FENCED, reason=self.stop_reason)
-            self.control.save_and_stop()
+            self.stop_reason = self.control.leader_lost(self.leader_node, silent)  # an election: None once one leads
+            if self.stop_reason is not None:
+                self.log.write(events.FENCED, reason=self.stop_reason)
+                self.control.save_and_stop()
         fence = self.lease.fence_reason(now)
         if fence is not None:
             self.control.stop_all(signal.SIGKILL)  # at once: a fenced node must not commit one more step
@@ -214,10 +217,24 @@ class Follower:
                 self.plan = protocol.Plan.from_message(message)
                 self.recovery_gen = self.plan.gen
 
+    def follow(self, node: int, term: int, leader_lease: NodeLeases) -> None:
+        """Another node was elected leader (``term``): its lease is watched from now on, and it is told of this
+        node's live workers (what it needs to plan for them: who they are, whether they use the worker API,
+        their last commit), then that this node follows it."""
+        self.leader_node, self.leader_box, self.leader_lease = node, keys.node_box(node), leader_lease
+        for worker in self.local.live():
+            slot = worker.slot
+            self._tell_leader({"t": protocol.WORKER_STARTED, "uid": slot.uid, "pid": worker.pid,
+                               "local_rank": slot.local_rank, "rank": slot.rank, "joiner": slot.joiner})
+            for said in (self.joined.get(slot.uid), self.last_progress.get(slot.uid)):
+                if said is not None:  # what the worker said when it joined, and its last commit
+                    self._tell_leader({"t": protocol.WORKER_MESSAGE, "uid": slot.uid, "msg": said})
+        self._tell_leader({"t": protocol.FOLLOWING, "node": self.node_rank, "term": term})
+
     def _tell_leader(self, message: dict[str, Any]) -> None:
         """Send one message to the leader's mailbox; dropped if the store cannot be reached (within the
         agent's store timeout): a node cut off that long is evicted by the leader and fences itself."""
         try:
-            self.outbox.send(keys.LEADER_BOX, message)
+            self.outbox.send(self.leader_box, message)
         except RuntimeError:
             pass

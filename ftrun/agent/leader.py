@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ftrun import events, protocol
@@ -67,6 +67,7 @@ class Leader:
         self.nodes: RemoteNodes | None = None  # the other nodes, once attached (multi-node jobs)
         self.trouble: LinkTrouble | None = None  # collective failures no death explains (yet)
         self.reforms = 0  # re-forms of the same members since the last recovery completed
+        self.store_address = ""  # "host:port" of the process groups' store, once it moved (a new leader serves it)
 
     # ------------------------------------------------------------ the Coordination view
     @property
@@ -365,6 +366,8 @@ class Leader:
     def _issue(self, plan: Plan) -> None:
         """Make ``plan`` the current generation: store it, and send it to every live worker."""
         m = self.members
+        if self.store_address:
+            plan = replace(plan, store=self.store_address)
         for uid in plan.joiners:
             m.ready.remove(uid)
             m.joiners.add(uid)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import signal
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from ftrun import events, protocol
@@ -16,7 +17,7 @@ from ftrun.agent.failures import WorkerFailure
 from ftrun.agent.ports import LeaderInbox, Notices, WorkerControl, WorkerHandle
 from ftrun.agent.workers import WorkerSlot
 from ftrun.events import EventSink
-from ftrun.protocol import node_of
+from ftrun.protocol import Plan, node_of
 from ftrun.store import keys
 from ftrun.store.leases import NodeLeases
 from ftrun.store.mailbox import Outbox
@@ -34,6 +35,17 @@ def mail(outbox: Outbox, messages: list[tuple[str, dict[str, Any]]]) -> None:
         outbox.send_many(messages)
     except RuntimeError:
         pass
+
+
+@dataclass
+class Takeover:
+    """A newly elected leader's wait before it plans without the lost leader's workers."""
+
+    lost: int  # the node whose lease ran out (the leader before)
+    why: str
+    since: float  # wall clock: when it last renewed
+    awaiting: set[int]  # the other nodes that have yet to tell of their workers
+    deadline: float  # monotonic: plan without those that have not by then (their leases judge them)
 
 
 class RemoteWorker:
@@ -67,7 +79,8 @@ class RemoteNodes:
     """The other nodes as the leader sees them: feeds their workers' news to the leader's coordination."""
 
     def __init__(self, outbox: Outbox, leases: NodeLeases, nnodes: int, attempt: int, log: EventSink,
-                 notices: Notices, control: WorkerControl, coordination: LeaderInbox) -> None:
+                 notices: Notices, control: WorkerControl, coordination: LeaderInbox, node_rank: int = 0) -> None:
+        self.node_rank = node_rank  # the leader's own node: 0, or the node elected after it
         self.outbox = outbox
         self.leases = leases
         self.nnodes = nnodes
@@ -78,13 +91,29 @@ class RemoteNodes:
         self.coordination = coordination
         self.remote: dict[int, RemoteWorker] = {}  # the other nodes' workers, by uid
         self.lost: dict[int, str] = {}  # the nodes lost in this attempt: why, by node
+        self.takeover: Takeover | None = None  # a new leader's wait for the other nodes' news of their workers
 
     def live(self) -> list[RemoteWorker]:
         """The other nodes' workers that have not ended."""
         return [w for w in self.remote.values() if w.exitcode is None]
 
+    def take_over(self, plan: Plan, takeover: Takeover) -> None:
+        """This node was elected leader after ``takeover.lost``'s loss: that node's members of ``plan`` are
+        lost once every node in ``takeover.awaiting`` has told of its workers (or its time is up)."""
+        for uid in plan.members:
+            if node_of(uid) == takeover.lost:
+                slot = WorkerSlot(uid=uid, worker_id=f"{takeover.lost}:{uid}", local_rank=uid % protocol.UID_STRIDE,
+                                  rank=plan.rank_of(uid))
+                self.remote[uid] = RemoteWorker(self.outbox, slot, 0)
+        self.takeover = takeover
+        self.tick(time.monotonic())
+
     def tick(self, now: float) -> None:
         """Nodes whose lease ran out are lost (none is judged while the store does not answer)."""
+        takeover = self.takeover
+        if takeover is not None and (not takeover.awaiting or now >= takeover.deadline):
+            self.takeover = None
+            self.node_lost(takeover.lost, takeover.why, takeover.since)
         try:
             expired = self.leases.expired(now)
         except RuntimeError:
@@ -98,6 +127,10 @@ class RemoteNodes:
         if kind == protocol.NODE_GONE:
             if message["node"] in self.leases.seen:
                 self.node_lost(message["node"], message["reason"], message["since"])
+            return
+        if kind == protocol.FOLLOWING:
+            if self.takeover is not None:
+                self.takeover.awaiting.discard(message["node"])
             return
         if kind == protocol.NODE_STUCK:
             self.coordination.node_stuck(message["node"], message["gen"], message["reason"])
@@ -164,4 +197,5 @@ class RemoteNodes:
             message = {"t": protocol.DONE}
         else:
             message = {"t": protocol.STOP, "reason": f"the leader stopped: {reason}"}
-        mail(self.outbox, [(keys.node_box(node), message) for node in range(1, self.nnodes) if node not in self.lost])
+        mail(self.outbox, [(keys.node_box(node), message) for node in range(self.nnodes)
+                           if node != self.node_rank and node not in self.lost])

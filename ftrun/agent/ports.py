@@ -83,6 +83,10 @@ class WorkerControl(Protocol):
     def end_attempt(self, reason: str) -> None:
         """Kill every worker of this node now: the attempt fails with ``reason``."""
 
+    def leader_lost(self, node: int, silent: float) -> str | None:
+        """The leader (``node``) has not renewed its lease for ``silent`` s: elect another (with etcd), lead or follow it;
+        None once one leads, else why this node stops."""
+
 
 class GpuUse(Protocol):
     """What recovery needs to know of GPU health on this node."""

@@ -80,6 +80,8 @@ class StatusPublisher:
         self.dropped: Callable[[], dict[str, Any]] | None = None
         """The messages the agent refused so far (``mail``, ``channel``, ``last``: why the last was)."""
         self.coordination: Coordination | None = None
+        self.leads = run.node_rank == 0
+        """Whether this node leads (node 0, or the node elected after it): it publishes the job's record too."""
         self.attempt = 0
         self.tally = EventTally()
         self.host = socket.gethostname()
@@ -103,7 +105,7 @@ class StatusPublisher:
         """Build this node's record, and the job's on the leader, and write them (skipped while the store
         cannot be reached); on the leader, a ``progress`` event now and then."""
         node = self.node_record()
-        job = self.job_record() if self.run.node_rank == 0 else None
+        job = self.job_record() if self.leads else None
         self.latest = (job, node)
         if job is not None:
             self._log_progress(job)

@@ -67,7 +67,7 @@ class StoreAccess:
         groups' store where this agent serves it or leads (None elsewhere)."""
         config = self.config
         if self.store_host is not None:
-            group_store = JobStore(self._serve_hosted(fork_server), self.seal)
+            group_store = JobStore(self.serve_hosted(fork_server), self.seal)
             if config.etcd is None:
                 return group_store, group_store
             store = self.connect()
@@ -93,9 +93,10 @@ class StoreAccess:
             os.close(self.lifeline)
             self.lifeline = None
 
-    def _serve_hosted(self, server: ForkServer | None) -> KeyValue:
+    def serve_hosted(self, server: ForkServer | None) -> KeyValue:
         """Serve the store this agent hosts from a process the fork server forks (torch is imported there, so
-        this process never imports it), else from this process; this agent's connection to it."""
+        this process never imports it), else from this process; this agent's connection to it (a newly elected
+        leader serves one too)."""
         host = self.store_host
         if server is not None and server.ready():
             try:

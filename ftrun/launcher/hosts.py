@@ -221,3 +221,12 @@ def listen_address(host: str, multinode: bool) -> str:
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
         raise UsageError(f"cannot resolve the store's host {host!r}: {why}") from None
     return choose_listen_address(host.strip("[]"), resolved, _local_names(), multinode)
+
+
+def address_toward(host: str, port: int) -> str:
+    """This machine's address on the way to ``host`` (the interface the kernel routes to it through), as the
+    peers that reach ``host`` too would reach this machine. No packet is sent."""
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((host.strip("[]"), port))
+        return probe.getsockname()[0]

@@ -120,6 +120,8 @@ DESCRIPTIONS: dict[str, Callable[[dict[str, Any]], str]] = {
                             f"-> {e.get('action')}",
     "node_lost": lambda e: f"node {e.get('node')} lost ({e.get('reason')}): ranks {e.get('ranks')}",
     "fenced": lambda e: f"this node stopped its workers: {e.get('reason')}",
+    "leader": lambda e: f"node {e.get('node')} elected leader (term {e.get('term')}), the store now at "
+                        f"{e.get('store')}: {e.get('reason')}",
     "inject": lambda e: f"drill {e.get('kind')} on {_rank(e)}" + "".join(f" {k}={v}" for k, v in
                                                                         (e.get("args") or {}).items()),
     "generation": lambda e: f"gen {e['gen']}: world {e['world_size']} ({e.get('reason')})",

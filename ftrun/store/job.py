@@ -98,6 +98,25 @@ class JobStore:
             return None
         return where["host"], where["port"]
 
+    def stand_for_leader(self, term: int) -> bool:
+        """Whether this node won the election of ``term`` (the first to claim it: an atomic add)."""
+        return self.kv.add(keys.leader_claim(term), 1) == 1
+
+    def announce_leader(self, term: int, node: int, host: str, port: int) -> None:
+        """Node ``node`` leads from ``term`` on, and serves the process groups' store at ``host:port``."""
+        self._set(keys.leader_of(term), {"node": node, "host": host, "port": port})
+
+    def read_leader(self, term: int, wait: float) -> tuple[int, str, int] | None:
+        """(node, store host, store port) of ``term``'s leader, waiting up to ``wait`` s; None if none said so."""
+        try:
+            said = self._read_waiting(keys.leader_of(term), wait)
+        except MalformedValue:
+            return None
+        if said is None or type(said.get("node")) is not int or not isinstance(said.get("host"), str) \
+                or type(said.get("port")) is not int:
+            return None
+        return said["node"], said["host"], said["port"]
+
     # ------------------------------------------------------------ mailboxes
     def post(self, box: str, message: dict[str, Any]) -> int:
         """Append the command ``message`` to mailbox ``box`` (from any client); returns its index.

@@ -51,7 +51,18 @@ def node_box(node_rank: int) -> str:
 
 
 LEADER_BOX = node_box(0)
-"""Followers and the hostfile launcher write to node 0's mailbox: node 0's agent is the leader."""
+"""Followers and the hostfile launcher write to node 0's mailbox: node 0's agent is the first leader."""
+
+
+def leader_claim(term: int) -> str:
+    """A counter the nodes add to when they stand for leader of ``term`` (1: the first after node 0): the one
+    whose add returns 1 leads."""
+    return f"ftrun/leader/{term}/claim"
+
+
+def leader_of(term: int) -> str:
+    """Which node leads from ``term`` on, and where it serves the process groups' store."""
+    return f"ftrun/leader/{term}"
 LAUNCHER = "launcher"
 """The hostfile launcher's name as a sender of messages (agents send as their own box's name)."""
 

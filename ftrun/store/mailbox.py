@@ -120,6 +120,13 @@ class MailReader:
         """Start waiting for messages."""
         self._thread.start()
 
+    def add_sender(self, sender: str, store: JobStore) -> None:
+        """Read ``sender``'s messages too, from its first (a new leader's, after an election); the box's bell
+        is rung through ``store`` (the caller's connection), so that what it wrote already is read now."""
+        lane = _Lane(lambda i: keys.sent_item(self.box, sender, i), self._next_is_valid)
+        self._lanes = [*self._lanes, lane]  # one assignment: the reader's thread sees the old list or the new
+        store.ring(self.box)
+
     def stop(self) -> None:
         """Stop, and wait (a few seconds at most) for the thread to leave its store call: a thread still inside
         torch's store client when the interpreter exits aborts the process (``terminate called without an

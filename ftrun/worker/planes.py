@@ -36,7 +36,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from ftrun.protocol import Plan
+from ftrun.protocol import Plan, split_address
 from ftrun.store import keys
 from ftrun.store.client import open_client
 from ftrun.worker import backends, links
@@ -108,6 +108,13 @@ class Planes:
         """The current generation's control group."""
         return self.current.control
 
+    def _move(self, host: str, port: int) -> None:
+        """Rendezvous through the store at ``host:port`` from now on: a new leader serves it (the first one's
+        node was lost, with its store)."""
+        timeout = self.store.timeout.total_seconds()
+        self.store = open_client(host, port, timeout)
+        self._control_store = open_client(host, port, timeout)
+
     def start_alone(self) -> None:
         """Groups of this worker alone: a spare waits in them until a plan places it."""
         self._form(f"alone{self.uid}", -1, 0, 1)
@@ -118,6 +125,8 @@ class Planes:
         A plan that asks for a probe first checks every link among its members; :class:`LinkFailure`
         (and nothing formed) if one does not connect.
         """
+        if plan.store and plan.store != f"{self.store.host}:{self.store.port}":
+            self._move(*split_address(plan.store))
         if plan.probe:
             links.probe(self.store, self.prober, self.uid, plan.members,
                         lambda uid: keys.probe_address(self.attempt, plan.gen, uid),

@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import select
 import signal
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
@@ -214,6 +216,17 @@ def test_junk_in_a_mailbox_counter_stops_no_agent_message(served, reading):
 
 
 @pytest.mark.fast
+def test_a_reader_takes_a_new_leaders_messages_once_told_to_and_not_before(served, reading):
+    receive, reader = reading
+    store = served()
+    Outbox(store, "node2").send("node3", {"t": "from node 2, elected"})  # written before the election is known
+    Outbox(store, "node1").send("node3", {"t": "from node 1"})
+    assert receive(1) == [{"t": "from node 1"}]
+    reader.add_sender("node2", store)
+    assert receive(1) == [{"t": "from node 2, elected"}]
+
+
+@pytest.mark.fast
 def test_a_command_without_an_answer_is_one_clear_error(served):
     store = served()
     with pytest.raises(UsageError, match="did not answer within 1 s"):
@@ -252,6 +265,28 @@ def test_leases_expire_by_the_clock_given_and_an_evicted_node_learns_it(served):
     assert lost == [(2, NodeLeases.START_GRACE + 1 - (NodeLeases.START_GRACE - 10))]
     assert store.is_evicted(2) and not store.is_evicted(1)
     assert [node for node, _ in leases.expired(NodeLeases.START_GRACE + 16)] == [1]  # no renewal since -5
+
+
+def test_one_node_wins_each_term_of_an_election_and_the_others_read_who(served):
+    # four nodes stand for term 1 at once: each adds to the term's claim counter on a connection of its own
+    candidates = [served() for _ in range(4)]
+    barrier = threading.Barrier(len(candidates))
+
+    def stand(store: JobStore) -> bool:
+        barrier.wait()
+        return store.stand_for_leader(1)
+
+    with ThreadPoolExecutor(len(candidates)) as pool:
+        won = list(pool.map(stand, candidates))
+    assert won.count(True) == 1
+    winner = won.index(True) + 1
+    reader = served()
+    assert reader.read_leader(1, 0.0) is None  # not said yet: none is taken for the leader
+    candidates[winner - 1].announce_leader(1, winner, "10.0.0.7", 41234)
+    assert reader.read_leader(1, 5.0) == (winner, "10.0.0.7", 41234)
+    assert reader.stand_for_leader(2) and not candidates[0].stand_for_leader(2)  # the next term is a new one
+    reader.kv.set(keys.leader_of(3), reader.seal.seal(keys.leader_of(3), b'{"node": "x"}'))
+    assert reader.read_leader(3, 0.0) is None  # not a node, host and port: nobody
 
 
 @pytest.mark.fast

@@ -1,0 +1,101 @@
+"""Leader failover with the etcd backend: when node 0's lease runs out, the other nodes elect a new leader
+through etcd, and it serves the process groups' store from then on.
+
+The election is one atomic add per candidate on the term's claim counter (the first to add leads: etcd's
+compare-and-swap on the key's revision). The winner serves a new TCPStore on its own node, then says in etcd
+that it leads and where that store is; the others read it there. Who leads is decided once per term, so two
+nodes can never both believe they lead the same term.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ftrun.agent.follower import Follower
+from ftrun.agent.forkserver import ForkServer
+from ftrun.agent.leader import Leader
+from ftrun.agent.node_links import NodeLinks
+from ftrun.agent.nodes import Takeover
+from ftrun.agent.store_access import StoreAccess
+from ftrun.config import Endpoint
+from ftrun.launcher.hosts import address_toward
+from ftrun.protocol import node_of
+from ftrun.store import keys
+from ftrun.store.auth import Seal
+from ftrun.store.host import StoreHost
+from ftrun.store.job import JobStore
+from ftrun.store.leases import NodeLeases
+
+
+@dataclass(frozen=True)
+class Election:
+    """The outcome of one term's election: who leads, and where it serves the process groups' store."""
+
+    term: int
+    node: int
+    host: str
+    port: int
+
+    @property
+    def store(self) -> str:
+        """The store's "host:port", as plans carry it."""
+        return f"{self.host}:{self.port}"
+
+
+def elect(store: JobStore, term: int, node: int, serve: Callable[[], tuple[str, int]], wait: float) -> Election | None:
+    """Stand for leader of ``term``: the winner serves the store (``serve``: its host and port) and announces
+    itself; the others wait up to ``wait`` s for that announcement. None when none came (the winner was lost
+    too). Store errors (RuntimeError) are the caller's."""
+    if store.stand_for_leader(term):
+        host, port = serve()
+        store.announce_leader(term, node, host, port)
+        return Election(term, node, host, port)
+    said = store.read_leader(term, wait)
+    return Election(term, *said) if said is not None else None
+
+
+def follow_elected(won: Election, links: NodeLinks, follower: Follower, store: JobStore, timeout: float) -> None:
+    """Another node was elected: read its mail, watch its lease, and tell it of this node's workers."""
+    leases = NodeLeases(store, [won.node], timeout, time.monotonic(), evicts=False, looks_per_timeout=2)
+    links.mail.add_sender(keys.node_box(won.node), store)
+    links.leader_lease = leases
+    follower.follow(won.node, won.term, leases)
+
+
+def watch_followers(links: NodeLinks, store: JobStore, others: list[int], timeout: float) -> None:
+    """This node was elected: read the other nodes' mail, and judge their leases (no leader's to watch now)."""
+    for node in others:
+        links.mail.add_sender(keys.node_box(node), store)
+    links.leader_lease = None
+    links.node_leases = NodeLeases(store, others, timeout, time.monotonic())
+
+
+def start_leading(leader: Leader, follower: Follower, won: Election, takeover: Takeover) -> None:
+    """What this node knew as a follower becomes its plan's starting point: the current generation, and its
+    own workers' use of the worker API and last commits (the other nodes tell it of theirs). The lost leader's
+    members used the API if this node's did: every rank runs the same script. They are lost once the other
+    nodes have told of their workers; the plans from then on carry the new store."""
+    m = leader.members
+    m.plan = follower.plan
+    m.adopted |= set(follower.joined)
+    if follower.joined:
+        m.adopted |= {uid for uid in follower.plan.members if node_of(uid) == takeover.lost}
+    m.last_step.update(follower.last_step)
+    m.trained |= set(follower.last_step)
+    for uid in follower.joined:
+        leader.watchdog.started(uid)
+    leader.store_address = won.store
+    leader.nodes.take_over(follower.plan, takeover)
+
+
+def serve_group_store(access: StoreAccess, fork_server: ForkServer | None, seal: Seal,
+                      toward: Endpoint) -> tuple[JobStore, str, int]:
+    """Serve a new store for the process groups on this node, on its address toward the old one (``toward``:
+    the network the nodes share), once it answers: the connection to it, its host and port."""
+    host = address_toward(toward.host, toward.port)
+    access.store_host = StoreHost(Endpoint(host, 0), host)
+    store = JobStore(access.serve_hosted(fork_server), seal)
+    store.kv.check([keys.JOB])  # served: a client that came sooner could be turned away
+    return store, host, access.store_host.port
