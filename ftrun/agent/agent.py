@@ -30,9 +30,9 @@ from ftrun.agent.failover import (elect, follow_elected, serve_group_store, star
 from ftrun.agent.follower import Follower
 from ftrun.agent.gpu_health import GpuHealth
 from ftrun.agent.leader import Leader, LeaderSetup
+from ftrun.agent.node_links import NodeLinks, start_links
 from ftrun.agent.nodes import RemoteNodes, Takeover
 from ftrun.agent.pool import CHANNEL, EXIT, OUTPUT, WorkerPool
-from ftrun.agent.node_links import NodeLinks, start_links
 from ftrun.agent.ports import Coordination, WorkerHandle
 from ftrun.agent.shutdown import OnSignal, on_signal, schedule
 from ftrun.agent.status_record import RunInfo, StatusPublisher
