@@ -15,17 +15,24 @@ import psutil
 import pytest
 
 from conftest import FTRUN
-from runs import RTOL, STEPS, TIMEOUT, TRAINING, Run, read_run
+from runs import RTOL, TIMEOUT, Run, read_run
 
 NODE_TIMEOUT = "2"
+STEPS = 40
+TRAINING = ["--steps", str(STEPS), "--width", "256"]
+"""held_train.py's training (HELD_TRAINING) cut short: its steps are the first 40 of the fault-free held run
+(no schedule depends on the step count), so that run is the baseline."""
 
 
 def kill_node_0(launcher_env: dict[str, str], secret_file: str, tmp_path: Path, store: list[str],
                 node0_store: list[str], training: list[str], nnodes: int = 2,
                 nproc: int = 2) -> list[subprocess.CompletedProcess]:
-    """Start ``nnodes`` nodes, SIGKILL node 0's agent and workers (and the store it serves) once its workers
-    have committed step 3, and return the other nodes' finished processes."""
-    env = {**launcher_env, "FTRUN_SECRET_FILE": secret_file}
+    """Start ``nnodes`` nodes of held_train.py's training, held (0.2 s a step) until node 0's agent and workers
+    (and the store it serves) are SIGKILLed, once its workers have committed step 3; return the other nodes'
+    finished processes."""
+    hold = tmp_path / "hold"  # the job cannot run out of steps before node 0 is gone, however loaded the machine
+    hold.touch()
+    env = {**launcher_env, "FTRUN_SECRET_FILE": secret_file, "HOLD": str(hold)}
     common = ["--nnodes", str(nnodes), "--nproc-per-node", str(nproc), "--node-timeout", NODE_TIMEOUT, *store]
     others = [subprocess.Popen([*FTRUN, *common, "--node-rank", str(node), "--log-dir", str(tmp_path / f"node{node}"),
                                 *training], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -41,6 +48,7 @@ def kill_node_0(launcher_env: dict[str, str], secret_file: str, tmp_path: Path, 
             pytest.fail(f"node 0 ended before step 3 (exit {node0.wait()})")
         os.killpg(node0.pid, signal.SIGKILL)  # the agent and its workers (and the store it serves), at once
         node0.wait()
+        hold.unlink()
         outputs = [proc.communicate(timeout=TIMEOUT) for proc in others]
     finally:
         for proc in (node0, *others):
@@ -51,7 +59,7 @@ def kill_node_0(launcher_env: dict[str, str], secret_file: str, tmp_path: Path, 
 
 def test_with_the_embedded_store_node_1_ends_in_one_line(launcher_env, workload, free_port, secret_file, tmp_path):
     (node1,) = kill_node_0(launcher_env, secret_file, tmp_path, ["--rdzv-endpoint", f"127.0.0.1:{free_port()}"], [],
-                           [workload("faulty_train.py"), "--steps", "100000", "--width", "64"])
+                           [workload("held_train.py"), "--steps", "100000", "--width", "64"])
     ended = [line for line in node1.stderr.splitlines() if line.startswith("ftrun: node 1: ")]
     assert node1.returncode == 1 and len(ended) == 1, node1.stderr[-3000:]
     assert "could not renew this node's lease in node 0's store" in ended[0], node1.stderr[-3000:]
@@ -59,10 +67,10 @@ def test_with_the_embedded_store_node_1_ends_in_one_line(launcher_env, workload,
 
 @pytest.mark.parametrize("nnodes, nproc", [(2, 2), (3, 1)], ids=["2x2", "3x1"])
 def test_with_etcd_another_node_is_elected_leader_and_the_workers_train_on_in_place(
-        nnodes, nproc, launcher_env, workload, secret_file, tmp_path, etcd_cluster, baseline):
+        nnodes, nproc, launcher_env, workload, secret_file, tmp_path, etcd_cluster, held_baseline):
     store = ["--rdzv-backend", "etcd-v2", "--rdzv-endpoint", etcd_cluster.endpoints, "--rdzv-id", f"leader-{nnodes}"]
     results = kill_node_0(launcher_env, secret_file, tmp_path, store, ["--master-addr", "127.0.0.1"],
-                          [workload("faulty_train.py"), *TRAINING], nnodes, nproc)
+                          [workload("held_train.py"), *TRAINING], nnodes, nproc)
     runs = [read_run(result, next((tmp_path / f"node{node}").iterdir())) for node, result in enumerate(results, 1)]
     why = "\n".join(f"--- node {node}\n{run.explain()}" for node, run in enumerate(runs, 1))
     assert [run.returncode for run in runs] == [0] * (nnodes - 1), why
@@ -82,18 +90,20 @@ def test_with_etcd_another_node_is_elected_leader_and_the_workers_train_on_in_pl
         starts = [(e["uid"], e["pid"]) for e in run.of("worker_start") if e["node"] == node]
         exits = {e["uid"]: (e["pid"], e["exitcode"]) for e in run.of("worker_exit") if e["node"] == node}
         assert len(starts) == nproc and exits == {uid: (pid, 0) for uid, pid in starts}, why
-        check_survivors(run, baseline, recovery["resumed_at_step"], (world, world - nproc), exact=world == 4)
+        check_survivors(run, held_baseline, recovery["resumed_at_step"], (world, world - nproc), exact=world == 4)
 
 
 def check_survivors(run: Run, baseline: dict[int, float], resumed: int, worlds: tuple[int, int], exact: bool) -> None:
-    """A node's workers committed every step once (the step in flight at the fault may be missing: a peer
-    had committed it, and its state came from there) in a group of ``worlds`` ranks (before the fault, after),
-    with the fault-free run's losses (4 workers, the same global batches): bit for bit before the fault when
-    ``exact`` (the same world), else within RTOL (other ranks sum the same global batch in another order)."""
+    """A node's workers committed every step of the training (STEPS) once (the step in flight at the fault
+    may be missing: a peer had committed it, and its state came from there) in a group of ``worlds`` ranks
+    (before the fault, after), with the fault-free run's losses (4 workers, the same global batches): bit for
+    bit before the fault when ``exact`` (the same world), else within RTOL (other ranks sum the same global
+    batch in another order)."""
     why = run.explain()
     for uid, commits in run.commits().items():
         steps = [c.step for c in commits]
-        assert steps == sorted(set(steps)) and set(range(STEPS)) - set(steps) <= {resumed - 1}, f"uid {uid}\n{why}"
+        assert steps == sorted(set(steps)) and set(range(STEPS)) - set(steps) <= {resumed - 1}, \
+            f"uid {uid}\n{why}"
         for c in commits:
             before = c.step < resumed
             assert c.world == worlds[0 if before else 1], f"{c}\n{why}"
@@ -102,7 +112,7 @@ def check_survivors(run: Run, baseline: dict[int, float], resumed: int, worlds: 
 
 
 def test_with_etcd_a_node_0_cut_off_fences_itself_and_node_1_leads_on(netns_hosts, launcher_env, workload, secret_file,
-                                                                      tmp_path, baseline):
+                                                                      tmp_path, held_baseline):
     """Node 0 alive but unplugged (its packets dropped, to etcd and to node 1 alike) at step 3: it cannot renew
     its lease in etcd, so it kills its own workers (within 3/4 of --node-timeout) before node 1, which sees
     the lease run out at --node-timeout, is elected and plans without them: never two leaders training."""
@@ -111,10 +121,12 @@ def test_with_etcd_a_node_0_cut_off_fences_itself_and_node_1_leads_on(netns_host
 
     (tmp_path / "etcd").mkdir()
     cluster = Cluster(tmp_path / "etcd", host=netns_hosts.gateway)  # in the root namespace, on the bridge
-    env = {**launcher_env, "FTRUN_SECRET_FILE": secret_file, "GLOO_SOCKET_IFNAME": HOST_IFNAME}
+    hold = tmp_path / "hold"  # held until node 0 is cut off: the job cannot end first
+    hold.touch()
+    env = {**launcher_env, "FTRUN_SECRET_FILE": secret_file, "GLOO_SOCKET_IFNAME": HOST_IFNAME, "HOLD": str(hold)}
     common = ["--nnodes", "2", "--nproc-per-node", "2", "--node-timeout", NODE_TIMEOUT, "--rdzv-backend", "etcd-v2",
               "--rdzv-endpoint", cluster.endpoints, "--rdzv-id", "cut-off"]
-    training = [workload("faulty_train.py"), *TRAINING]
+    training = [workload("held_train.py"), *TRAINING]
     host0, host1 = netns_hosts.hosts
     node1 = subprocess.Popen([*host1.prefix, *FTRUN, *common, "--node-rank", "1", "--log-dir", str(tmp_path / "node1"),
                               *training], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -125,6 +137,7 @@ def test_with_etcd_a_node_0_cut_off_fences_itself_and_node_1_leads_on(netns_host
         for line in node0.stdout:
             if " step=3 " in line:
                 netns_hosts.cut(host0)
+                hold.unlink()
                 break
         else:
             pytest.fail(f"node 0 ended before step 3 (exit {node0.wait()}): {node0.stderr.read()[-3000:]}")
@@ -147,4 +160,4 @@ def test_with_etcd_a_node_0_cut_off_fences_itself_and_node_1_leads_on(netns_host
     assert elected["node"] == 1 and elected["time"] > fenced["time"], why  # node 0 had stopped training first
     (recovery,) = run1.of("recovery")
     assert sorted(recovery["lost_uids"]) == [0, 1] and recovery["steps_lost"] == 0, why
-    check_survivors(run1, baseline, recovery["resumed_at_step"], (4, 2), exact=True)
+    check_survivors(run1, held_baseline, recovery["resumed_at_step"], (4, 2), exact=True)
