@@ -1,8 +1,9 @@
-"""Node 0 lost: its agent and workers SIGKILLed together in a two-node job (scheduler mode, both nodes on this
-machine). With the embedded store, which goes with node 0, the job cannot go on: node 1 notices within about
---node-timeout, stops its workers, and ends with one line that says what happened. With etcd, which outlives
-node 0, node 1 sees the leader's lease run out, is elected leader through etcd, serves the process groups'
-store itself, and its workers recover in place without node 0's: 0 steps lost, the fault-free run's losses."""
+"""Node 0 lost: its agent and workers SIGKILLed together (scheduler mode, every node on this machine), or node 0
+cut off by the network (two namespace hosts). With the embedded store, which goes with node 0, the job cannot go
+on: node 1 notices within about --node-timeout, stops its workers, and ends with one line that says what
+happened. With etcd, which outlives node 0, the other nodes see the leader's lease run out, one is elected
+leader through etcd and serves the process groups' store itself, and the workers recover in place without
+node 0's: 0 steps lost, the fault-free run's losses."""
 
 from __future__ import annotations
 
