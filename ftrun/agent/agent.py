@@ -310,6 +310,7 @@ class Agent:
         and WORLD_SIZE says so.
         """
         self.attempt_failure = None
+        self.coordination = None  # the last attempt's: the new one is told of these workers once it is made
         self.gpu_health.restarts.clear()  # uids are numbered per attempt
         # Workers started now would each import torch: the fork server, importing it once, is done sooner.
         self.pool.await_fork_server(FORK_SERVER_WAIT, self.signal_fd)

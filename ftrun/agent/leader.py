@@ -184,6 +184,8 @@ class Leader:
         """Workers failed together (a node lost): one new generation without them; False to restart the group."""
         m = self.members
         failures = {worker.uid: (worker, failure) for worker, failure in faults}
+        if self.rescue is not None:  # a worker that died will never say it saved: the rescue waits no longer
+            self.rescue.waiting -= set(failures)
         lost, joiners = split_lost(m, list(failures))
         if self.options.enabled and self.rescue is None:
             for uid in joiners:
