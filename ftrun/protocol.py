@@ -51,7 +51,7 @@ WORKER_MESSAGE = "msg"  # a follower's worker said something on its channel: {ui
 WORKER_EXITED = "exit"  # a follower's worker ended: {uid, code, failure (a WorkerFailure's fields) unless code 0}
 NODE_GONE = "node_gone"  # the hostfile launcher saw a node's agent end: {node, reason, since (wall clock)}
 NODE_STUCK = "node_stuck"  # every rank of a follower waits in a collective past its hang timeout: {node, gen, reason}
-FOLLOWING = "following"  # a follower told the new leader of its workers (after them) after an election: {node, term}
+FOLLOWING = "following"  # after an election, a follower told the new leader of its workers: {node, term, gen}
 # the leader -> a follower's mailbox
 RELAY = "relay"  # control messages for one of its workers: {uid, data (JSON lines)}
 SIGNAL = "signal"  # signal one of its workers: {uid, sig}
@@ -251,7 +251,7 @@ MAIL: dict[str, dict[str, Check]] = {
     WORKER_EXITED: {"uid": _int, "code": _int},
     NODE_GONE: {"node": _int, "reason": _text, "since": _number},
     NODE_STUCK: {"node": _int, "gen": _int, "reason": _text},
-    FOLLOWING: {"node": _int, "term": _int},
+    FOLLOWING: {"node": _int, "term": _int, "gen": _int},
     RELAY: {"uid": _int, "data": _relayed},
     SIGNAL: {"uid": _int, "sig": _signal},
     START_WORKER: {"uid": _int, "local_rank": _int, "rank": _optional_int},

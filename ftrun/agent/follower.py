@@ -220,7 +220,7 @@ class Follower:
     def follow(self, node: int, term: int, leader_lease: NodeLeases) -> None:
         """Another node was elected leader (``term``): its lease is watched from now on, and it is told of this
         node's live workers (what it needs to plan for them: who they are, whether they use the worker API,
-        their last commit), then that this node follows it."""
+        their last commit), then that this node follows it, in the generation it knows."""
         self.leader_node, self.leader_box, self.leader_lease = node, keys.node_box(node), leader_lease
         for worker in self.local.live():
             slot = worker.slot
@@ -229,7 +229,7 @@ class Follower:
             for said in (self.joined.get(slot.uid), self.last_progress.get(slot.uid)):
                 if said is not None:  # what the worker said when it joined, and its last commit
                     self._tell_leader({"t": protocol.WORKER_MESSAGE, "uid": slot.uid, "msg": said})
-        self._tell_leader({"t": protocol.FOLLOWING, "node": self.node_rank, "term": term})
+        self._tell_leader({"t": protocol.FOLLOWING, "node": self.node_rank, "term": term, "gen": self.plan.gen})
 
     def _tell_leader(self, message: dict[str, Any]) -> None:
         """Send one message to the leader's mailbox; dropped if the store cannot be reached (within the

@@ -258,6 +258,13 @@ class Leader:
         if gen == self.plan.gen:
             self._trouble(time.monotonic()).stuck_nodes.add(node)
 
+    def seen_generation(self, gen: int) -> None:
+        """Another node's workers may be in a generation this node, elected after the leader before it, never
+        heard of (that leader's last plan reached them first): the next plan is numbered after it, so that
+        every worker takes it for new."""
+        if gen > self.plan.gen:
+            self.members.plan = replace(self.plan, gen=gen)
+
     def close(self, reason: str | None, restart: int | None = None) -> None:
         """The attempt is over: every other node is told how (it succeeded, failed with ``reason``, or the
         group restarts as attempt ``restart``)."""

@@ -129,6 +129,7 @@ class RemoteNodes:
                 self.node_lost(message["node"], message["reason"], message["since"])
             return
         if kind == protocol.FOLLOWING:
+            self.coordination.seen_generation(message["gen"])
             if self.takeover is not None:
                 self.takeover.awaiting.discard(message["node"])
             return

@@ -110,6 +110,9 @@ class LeaderInbox(Protocol):
     def node_stuck(self, node: int, gen: int, reason: str) -> None:
         """Every rank of ``node`` waits in a collective of generation ``gen`` past its hang timeout."""
 
+    def seen_generation(self, gen: int) -> None:
+        """Another node knew of generation ``gen`` (a new leader hears it): the next plan comes after it."""
+
 
 class Progress(Protocol):
     """What the hang watchdog knows of one worker's progress."""
