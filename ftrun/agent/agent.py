@@ -389,12 +389,12 @@ class Agent:
             config, store=Endpoint(won.host, won.port), master_addr=won.host)  # for workers started later
         self.log.write(events.LEADER, node=won.node, term=won.term, store=won.store, reason=why)
         if won.node != config.node_rank:
-            follow_elected(won, self.links, self.coordination, self.store, config.node_timeout)
+            follow_elected(won, lost, self.links, self.coordination, self.store, config.node_timeout)
             self.console.notice(f"ftrun: node {config.node_rank}: {why}; node {won.node} was elected leader",
                                 style="bold yellow")
             return None
         others = [n for n in range(config.min_nodes) if n not in (lost, config.node_rank)]
-        watch_followers(self.links, self.store, others, config.node_timeout)
+        watch_followers(self.links, self.store, lost, others, config.node_timeout)
         follower, self.leader, self.status.leads = self.coordination, True, True
         self.coordination = self.status.coordination = self._coordination()
         start_leading(self.coordination, follower, won, Takeover(lost, why, time.time() - silent, set(others),

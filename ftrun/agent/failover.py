@@ -56,16 +56,21 @@ def elect(store: JobStore, term: int, node: int, serve: Callable[[], tuple[str, 
     return Election(term, *said) if said is not None else None
 
 
-def follow_elected(won: Election, links: NodeLinks, follower: Follower, store: JobStore, timeout: float) -> None:
-    """Another node was elected: read its mail, watch its lease, and tell it of this node's workers."""
+def follow_elected(won: Election, lost: int, links: NodeLinks, follower: Follower, store: JobStore,
+                   timeout: float) -> None:
+    """Another node was elected: read its mail (and no more of the lost leader's, should it come back), watch
+    its lease, and tell it of this node's workers."""
     leases = NodeLeases(store, [won.node], timeout, time.monotonic(), evicts=False, looks_per_timeout=2)
+    links.mail.drop_sender(keys.node_box(lost))
     links.mail.add_sender(keys.node_box(won.node), store)
     links.leader_lease = leases
     follower.follow(won.node, won.term, leases)
 
 
-def watch_followers(links: NodeLinks, store: JobStore, others: list[int], timeout: float) -> None:
-    """This node was elected: read the other nodes' mail, and judge their leases (no leader's to watch now)."""
+def watch_followers(links: NodeLinks, store: JobStore, lost: int, others: list[int], timeout: float) -> None:
+    """This node was elected: read the other nodes' mail (and no more of the lost leader's), and judge their
+    leases (no leader's to watch now)."""
+    links.mail.drop_sender(keys.node_box(lost))
     for node in others:
         links.mail.add_sender(keys.node_box(node), store)
     links.leader_lease = None

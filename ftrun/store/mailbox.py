@@ -81,6 +81,7 @@ class _Lane:
     refused: int = 0  # the last index whose value was refused (and counted)
     passed_since: float | None = None  # when the writers were first seen past ``index``...
     passed_upto: int = 0  # ... and every index up to this one
+    sender: str = ""  # the agent that writes it ("": the clients' commands)
 
     def advance(self) -> None:
         self.index += 1
@@ -109,9 +110,10 @@ class MailReader:
         self._validate = validate
         self._connect = connect
         self._lanes = [_Lane(lambda i: keys.mail_item(box, i), self._counter_passed)]
-        self._lanes += [_Lane(lambda i, sender=sender: keys.sent_item(box, sender, i), self._next_is_valid)
-                        for sender in senders]
+        self._lanes += [_Lane(lambda i, sender=sender: keys.sent_item(box, sender, i), self._next_is_valid,
+                              sender=sender) for sender in senders]
         self._queue: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+        self._lanes_lock = threading.Lock()  # held while a lane is dropped, and while a message is queued
         self._store: JobStore | None = None  # the connection in use, for stop() to interrupt
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"ftrun-mail-{box}", daemon=True)
@@ -123,9 +125,15 @@ class MailReader:
     def add_sender(self, sender: str, store: JobStore) -> None:
         """Read ``sender``'s messages too, from its first (a new leader's, after an election); the box's bell
         is rung through ``store`` (the caller's connection), so that what it wrote already is read now."""
-        lane = _Lane(lambda i: keys.sent_item(self.box, sender, i), self._next_is_valid)
+        lane = _Lane(lambda i: keys.sent_item(self.box, sender, i), self._next_is_valid, sender=sender)
         self._lanes = [*self._lanes, lane]  # one assignment: the reader's thread sees the old list or the new
         store.ring(self.box)
+
+    def drop_sender(self, sender: str) -> None:
+        """Read nothing more of ``sender``'s (a leader replaced by an election: should it come back, its word
+        is no longer the job's)."""
+        with self._lanes_lock:
+            self._lanes = [lane for lane in self._lanes if lane.sender != sender]
 
     def stop(self) -> None:
         """Stop, and wait (a few seconds at most) for the thread to leave its store call: a thread still inside
@@ -173,7 +181,9 @@ class MailReader:
             if problem is None:
                 store.discard_mail(key)
                 lane.advance()
-                self._queue.put(message)
+                with self._lanes_lock:  # a lane dropped meanwhile hands nothing on
+                    if any(lane is kept for kept in self._lanes):
+                        self._queue.put(message)
                 try:
                     os.write(self.wake_fd, b"m")
                 except BlockingIOError:

@@ -216,14 +216,19 @@ def test_junk_in_a_mailbox_counter_stops_no_agent_message(served, reading):
 
 
 @pytest.mark.fast
-def test_a_reader_takes_a_new_leaders_messages_once_told_to_and_not_before(served, reading):
+def test_a_reader_takes_a_new_leaders_messages_once_told_to_and_no_more_of_the_old_ones(served, reading):
     receive, reader = reading
     store = served()
-    Outbox(store, "node2").send("node3", {"t": "from node 2, elected"})  # written before the election is known
-    Outbox(store, "node1").send("node3", {"t": "from node 1"})
+    old, new = Outbox(store, "node1"), Outbox(store, "node2")
+    new.send("node3", {"t": "from node 2, elected"})  # written before the election is known here
+    old.send("node3", {"t": "from node 1"})
     assert receive(1) == [{"t": "from node 1"}]
     reader.add_sender("node2", store)
     assert receive(1) == [{"t": "from node 2, elected"}]
+    reader.drop_sender("node1")  # the leader replaced: should it come back, its word is not read
+    old.send("node3", {"t": "stale"})
+    new.send("node3", {"t": "current"})
+    assert receive(1) == [{"t": "current"}]
 
 
 @pytest.mark.fast
