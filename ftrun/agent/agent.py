@@ -80,6 +80,7 @@ class Agent:
         self.leader = config.node_rank == 0
         self.restart_count = 0
         self.term = 0  # elections held (with etcd): node 0 leads term 0
+        self.fenced = False  # this leader could not renew its lease (etcd): the job goes on without it
         self.rescued = False  # a group restart of this launch saved a state (its rescue directory holds it)
         self.stopper: Stopper | None = None  # the stop of the current attempt, once it began
         self.registered: Path | None = None  # this launch's entry in the run registry, once its store answers
@@ -227,7 +228,8 @@ class Agent:
         a refusal is added to the attempt's reason."""
         if result.succeeded or result.signal is not None or self.restart_count >= self.config.max_restarts:
             return False
-        refused = self._why_no_restart_here() or result.why_no_restart() or self.coordination.why_no_restart()
+        refused = ("this node was fenced: the other nodes go on without it" if self.fenced else None) \
+            or self._why_no_restart_here() or result.why_no_restart() or self.coordination.why_no_restart()
         if refused is not None:
             result.reason = f"{result.reason}; no group restart: {refused}"
         return refused is None
@@ -341,8 +343,9 @@ class Agent:
 
     def job_workers(self) -> list[WorkerHandle]:
         """Every live worker this agent answers for: its own and, on the leader, the other nodes' (those it
-        gave up on as unkillable left out)."""
-        remote = self.coordination.remote_workers() if self.coordination is not None else []
+        gave up on as unkillable left out; none once it is fenced: it cannot reach them, and they are their own
+        agents' to stop)."""
+        remote = self.coordination.remote_workers() if self.coordination is not None and not self.fenced else []
         return [*self.pool.live(), *(w for w in remote if w.uid not in self.result.abandoned)]
 
     def ranked_workers(self) -> dict[int, Worker]:
@@ -361,11 +364,12 @@ class Agent:
             self.stopper.kill_now(now)
 
     def _fenced_leader(self, now: float) -> str | None:
-        """With etcd, node 0 renews a lease too: when it cannot, it stops its workers at once (the followers,
-        which see its lease run out, stop theirs); why, or None."""
+        """With etcd, the leader renews a lease too: when it cannot, it stops its own workers at once and ends
+        (the other nodes, which see its lease run out, elect another); why, or None."""
         lease = self.links.lease
         fence = lease.fence_reason(now) if self.leader and lease is not None else None
         if fence is not None and not self.stopping():
+            self.fenced = True
             self.log.write(events.FENCED, reason=fence)
             self.stop_all(signal.SIGKILL)
         return fence
