@@ -164,12 +164,17 @@ def _timings(value: Any) -> bool:
         and all(isinstance(k, str) and _number(v) for k, v in value.items())
 
 
-def _address(value: Any) -> bool:
-    """"" or "host:port" (a store's address in a plan)."""
+def is_address(value: Any) -> bool:
+    """Whether ``value`` is a store's "host:port" (a plan's, an ``--endpoint``)."""
     if not isinstance(value, str):
         return False
     host, _, port = value.rpartition(":")
-    return value == "" or bool(host) and port.isdigit() and port.isascii() and 0 < int(port) < 65536
+    return bool(host) and port.isdigit() and port.isascii() and 0 < int(port) < 65536
+
+
+def _address(value: Any) -> bool:
+    """"" (the store it was) or "host:port" (a store's address in a plan)."""
+    return value == "" or is_address(value)
 
 
 def split_address(address: str) -> tuple[str, int]:

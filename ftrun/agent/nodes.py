@@ -101,7 +101,7 @@ class RemoteNodes:
         """This node was elected leader after ``takeover.lost``'s loss: that node's members of ``plan`` are
         lost once every node in ``takeover.awaiting`` has told of its workers (or its time is up)."""
         for uid in plan.members:
-            if node_of(uid) == takeover.lost:
+            if node_of(uid) == takeover.lost:  # its local rank is not known here: its index on its node stands in
                 slot = WorkerSlot(uid=uid, worker_id=f"{takeover.lost}:{uid}", local_rank=uid % protocol.UID_STRIDE,
                                   rank=plan.rank_of(uid))
                 self.remote[uid] = RemoteWorker(self.outbox, slot, 0)

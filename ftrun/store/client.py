@@ -12,6 +12,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from ftrun.errors import NoSuchJob, UsageError
+from ftrun.protocol import is_address, split_address
 from ftrun.store import etcd, keys
 from ftrun.store.auth import Seal, secret_for_endpoint
 from ftrun.store.job import JobStore
@@ -58,10 +59,9 @@ def open_client_retrying(host: str, port: int, call_timeout: float, total: float
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
     """``HOST:PORT`` as given to ``--endpoint``; UsageError when it is not one."""
-    host, _, port_text = endpoint.rpartition(":")
-    if not host or not port_text.isascii() or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+    if not is_address(endpoint):
         raise UsageError(f"--endpoint {endpoint!r}: expected HOST:PORT, e.g. node0:29500")
-    return host, int(port_text)
+    return split_address(endpoint)
 
 
 STORE_START_WAIT = 30.0
