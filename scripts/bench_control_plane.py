@@ -51,7 +51,8 @@ from ftrun.store.wire import StoreClient
 class Counting:
     """A store connection that counts every call made through it (into a shared, locked counter)."""
 
-    CALLS = ("set", "get", "add", "check", "wait", "delete_key")
+    CALLS = ("set", "get", "add", "check", "wait", "delete_key", "grant_lease", "set_leased", "keep_alive",
+             "read_prefix")
 
     def __init__(self, kv: KeyValue, counter: list[int], lock: threading.Lock, by_call: dict[str, int]) -> None:
         self.kv, self.counter, self.lock, self.by_call = kv, counter, lock, by_call

@@ -12,6 +12,9 @@ header revision a watch must start from, the mod revision a compare-and-swap com
 - ``add`` is a compare-and-swap on the key's mod revision, retried while another writer wins.
 - Several endpoints (``h1:2379,h2:2379,h3:2379``) are tried in turn: a member that stops answering is left
   for the next, so losing one member of three is not noticed by the job.
+- Leases are etcd's own (``lease/grant``, ``lease/keepalive``): a key written on a lease is deleted by etcd
+  once nobody has kept the lease alive for its TTL, on etcd's clock, so that whether a node is lost is
+  decided once, in the cluster, not by each reader's clock.
 - With a user name, ftrun authenticates (``/v3/auth/authenticate``) and sends the token with each call,
   authenticating again when etcd refuses an expired one.
 
@@ -24,6 +27,7 @@ import base64
 import contextlib
 import importlib.util
 import json
+import math
 import os
 import queue
 import socket
@@ -172,6 +176,12 @@ def _counter(text: bytes | None) -> int:
     return int(text)
 
 
+def _body(answer: dict[str, Any]) -> dict[str, Any]:
+    """The message of an answer: a streaming call's (a keep-alive) is wrapped in ``result``."""
+    result = answer.get("result")
+    return result if isinstance(result, dict) and "header" not in answer else answer
+
+
 def _prefix_end(prefix: bytes) -> bytes:
     """The first key after every key that starts with ``prefix`` (etcd's ``range_end`` for a prefix)."""
     return prefix[:-1] + bytes([prefix[-1] + 1])
@@ -259,9 +269,9 @@ class EtcdKeyValue:
                     self._authenticate(client)
                     continue
                 raise EtcdUnavailable(f"etcd refused {path}: {text[:200]}") from None
-            if not isinstance(answer, dict) or not isinstance(answer.get("header"), dict):
+            if not isinstance(answer, dict) or not isinstance(_body(answer).get("header"), dict):
                 raise EtcdUnavailable(f"etcd: the answer to {path} is not etcd's (no header)")
-            return answer
+            return _body(answer)
         raise EtcdUnavailable(f"etcd refused {path}")  # pragma: no cover -- the loop returns or raises
 
     def _key(self, key: str) -> bytes:
@@ -329,12 +339,42 @@ class EtcdKeyValue:
 
     def list_keys(self) -> list[str]:
         """Every key of this job (without the job's prefix)."""
-        answer = self._call("kv/range", {"key": _b64(self._prefix), "range_end": _b64(_prefix_end(self._prefix)),
-                                         "keys_only": True})
+        return list(self._read_range(self._prefix, keys_only=True))
+
+    def read_prefix(self, prefix: str) -> dict[str, bytes]:
+        """Every key that starts with ``prefix`` and its value, in one read that does not wait."""
+        return self._read_range(self._key(prefix), keys_only=False)
+
+    def _read_range(self, start: bytes, keys_only: bool) -> dict[str, bytes]:
+        answer = self._call("kv/range", {"key": _b64(start), "range_end": _b64(_prefix_end(start)),
+                                         "keys_only": keys_only})
         try:
-            return [_unb64(kv["key"])[len(self._prefix):].decode(errors="replace") for kv in answer.get("kvs") or []]
-        except (KeyError, TypeError, ValueError):
+            return {_unb64(kv["key"])[len(self._prefix):].decode(errors="replace"): _unb64(kv.get("value", ""))
+                    for kv in answer.get("kvs") or []}
+        except (KeyError, TypeError, ValueError, AttributeError):
             raise EtcdUnavailable("etcd: the answer to a listing is not etcd's") from None
+
+    # ------------------------------------------------------------------ leases
+    def grant_lease(self, ttl: float) -> int:
+        """A new lease that etcd ends ``ttl`` seconds after its last keep-alive (rounded up to whole seconds,
+        etcd's unit; etcd raises a shorter one to its minimum, 1.5 election timeouts: 2 s by default)."""
+        answer = self._call("lease/grant", {"TTL": math.ceil(ttl), "ID": 0})
+        try:
+            return int(answer["ID"])
+        except (KeyError, TypeError, ValueError):
+            raise EtcdUnavailable("etcd: the answer to a lease grant is not etcd's") from None
+
+    def set_leased(self, key: str, value: str | bytes, lease: int) -> None:
+        """Write ``value`` under ``key`` on ``lease``: etcd deletes it when the lease ends."""
+        self._call("kv/put", {"key": _b64(self._key(key)), "value": _b64(value), "lease": str(lease)})
+
+    def keep_alive(self, lease: int) -> bool:
+        """Renew ``lease`` for its TTL; False once etcd has ended it (and deleted its keys)."""
+        ttl = self._call("lease/keepalive", {"ID": str(lease)}).get("TTL")
+        try:
+            return ttl is not None and int(ttl) > 0
+        except (TypeError, ValueError):
+            raise EtcdUnavailable("etcd: the answer to a keep-alive is not etcd's") from None
 
     # ------------------------------------------------------------------ watches
     def _await(self, key: str, deadline: float) -> bytes:

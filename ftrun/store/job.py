@@ -11,7 +11,7 @@ from ftrun.errors import UsageError
 from ftrun.protocol import Plan
 from ftrun.store import keys
 from ftrun.store.auth import MalformedValue, Seal
-from ftrun.store.kv import KeyValue
+from ftrun.store.kv import KeyValue, LeasingKeyValue
 
 __all__ = ["JobStore", "MalformedValue", "decode_object"]
 
@@ -199,25 +199,58 @@ class JobStore:
             self._set(keys.reply(token), answer)
 
     # ------------------------------------------------------------ leases
+    @property
+    def native_leases(self) -> bool:
+        """Whether the backend keeps leases itself (etcd): a node's lease key then goes when its lease ends, on
+        the store's clock, instead of its count ceasing to grow."""
+        return isinstance(self.kv, LeasingKeyValue)
+
     def renew_lease(self, node_rank: int, renewals: int) -> None:
         """Record node ``node_rank``'s ``renewals``-th renewal of its lease. The count only ever grows: an old
         lease value written again renews nothing."""
         self._set(keys.lease(node_rank), {"renewals": renewals})
 
+    def take_lease(self, node_rank: int, renewals: int, ttl: float) -> int:
+        """With :attr:`native_leases`: a new store lease of ``ttl`` s for node ``node_rank``, its lease key
+        (count ``renewals``) written on it; the lease's id, for :meth:`keep_lease`."""
+        kv = self._leasing()
+        lease = kv.grant_lease(ttl)
+        key = keys.lease(node_rank)
+        kv.set_leased(key, self.seal.seal(key, json.dumps({"renewals": renewals}).encode()), lease)
+        return lease
+
+    def keep_lease(self, lease: int) -> bool:
+        """Keep a lease from :meth:`take_lease` alive; False once the store has ended it."""
+        return self._leasing().keep_alive(lease)
+
+    def _leasing(self) -> LeasingKeyValue:
+        if not isinstance(self.kv, LeasingKeyValue):
+            raise TypeError("this store keeps no leases of its own")
+        return self.kv
+
     def lease_renewals(self, nodes: list[int]) -> dict[int, int | None]:
-        """How often each of ``nodes`` has renewed its lease; None before its first renewal (or when the value
-        there is not its agent's). Once every node has renewed, one request per node and one for them all."""
+        """How often each of ``nodes`` has renewed its lease; None before its first renewal, when the value
+        there is not its agent's, or (native leases) once its lease ended. Native leases: one read for every
+        node; otherwise, once every node has renewed, one request per node and one for them all."""
+        if self.native_leases:
+            found = self._leasing().read_prefix(keys.LEASE_PREFIX)
+            return {node: self._count(keys.lease(node), found.get(keys.lease(node))) for node in nodes}
         every_lease = bool(nodes) and self.kv.check([keys.lease(node) for node in nodes])
         return {node: self._renewals(node, every_lease) for node in nodes}
 
     def _renewals(self, node_rank: int, there: bool) -> int | None:
         """Node ``node_rank``'s renewal count; ``there``: its lease key is known to exist."""
         key = keys.lease(node_rank)
+        return self._count(key, self.kv.get(key) if there or self.kv.check([key]) else None)
+
+    def _count(self, key: str, raw: bytes | None) -> int | None:
+        """The renewal count in the lease value ``raw`` read from ``key``; None if absent or not its agent's."""
+        if raw is None:
+            return None
         try:
-            lease = self._get(key) if there else self._get_if_there(key)
+            renewals = decode_object(self.seal.open(key, raw)).get("renewals")
         except MalformedValue:
             return None
-        renewals = lease.get("renewals") if lease is not None else None
         return renewals if type(renewals) is int else None
 
     def evict(self, node_rank: int) -> None:

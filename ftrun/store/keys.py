@@ -16,7 +16,8 @@ Every value of ftrun's own (sealed: an HMAC of key and value under the run's sec
 ``ftrun/mail/<box>/<sender>/<i>``     sealed: message ``i`` (1-based) agent ``<sender>`` sent; deleted once read
 ``ftrun/bell/<box>``                  set (any value) after each message to ``<box>``; its reader waits on it
 ``ftrun/reply/<token>``               sealed: the answer to a command that carried ``reply_to = token``
-``ftrun/lease/<n>``                   sealed: how often node ``n``'s agent renewed its lease
+``ftrun/lease/<n>``                   sealed: how often node ``n``'s agent renewed its lease (with etcd: took one;
+                                      the key is on the etcd lease and goes when it ends)
 ``ftrun/evicted/<n>``                 sealed: set by the leader once it declared node ``n`` lost
 ``ftrun/group_store``                 sealed: where node 0 serves the process groups' TCPStore (etcd backend)
 ``ftrun/a<a>/gen``                    sealed: the current generation of attempt ``a``
@@ -92,9 +93,13 @@ def reply(token: str) -> str:
     return f"ftrun/reply/{token}"
 
 
+LEASE_PREFIX = "ftrun/lease/"
+"""Every node's lease key starts with this."""
+
+
 def lease(node_rank: int) -> str:
     """How often node ``node_rank`` renewed its lease."""
-    return f"ftrun/lease/{node_rank}"
+    return f"{LEASE_PREFIX}{node_rank}"
 
 
 def evicted(node_rank: int) -> str:

@@ -9,7 +9,7 @@ answering now".
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 
 class KeyValue(Protocol):
@@ -32,3 +32,21 @@ class KeyValue(Protocol):
 
     def delete_key(self, key: str) -> bool:
         """Delete ``key``; whether it existed."""
+
+
+@runtime_checkable
+class LeasingKeyValue(KeyValue, Protocol):
+    """A store that keeps leases itself (etcd): keys on a lease go when nobody keeps it alive, on the store's
+    clock. Node leases use them where the backend has them (:mod:`ftrun.store.leases`)."""
+
+    def grant_lease(self, ttl: float) -> int:
+        """A new lease, ended ``ttl`` seconds after its last keep-alive; its id."""
+
+    def set_leased(self, key: str, value: str | bytes, lease: int) -> None:
+        """Write ``value`` under ``key``, deleted when ``lease`` ends."""
+
+    def keep_alive(self, lease: int) -> bool:
+        """Renew ``lease``; False once it has ended."""
+
+    def read_prefix(self, prefix: str) -> dict[str, bytes]:
+        """Every key that starts with ``prefix``, and its value, in one read that does not wait."""

@@ -6,6 +6,11 @@ cannot renew for :data:`FENCE_FRACTION` of that stops its own workers (fences it
 off from the store never trains on alone, and has stopped before the others carry on without it. One the
 leader evicted learns so when it next looks for its eviction, every :data:`EVICTION_CHECK_EVERY` renewals (a
 store request each): an idle follower costs the store about 0.6 requests a second at ``--node-timeout 10``.
+
+Where the backend keeps leases itself (etcd), a node's lease is an etcd lease with ``--node-timeout`` as
+its TTL, and its lease key sits on it: a renewal is a keep-alive, and etcd deletes the key once no keep-alive
+came for the TTL, on etcd's clock. A watcher then counts a node lost as soon as its key is gone, not after a
+timeout of its own; a keeper whose keep-alive finds the lease ended fences at once.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ class LeaseKeeper:
         self.renewals = 0
         self.renewed = time.monotonic()
         self.evicted = False
+        self.lapsed = False  # native leases: the store ended this node's lease
+        self.held: int | None = None  # native leases: the store's lease id
         self._connect = connect
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ftrun-lease", daemon=True)
@@ -64,6 +71,9 @@ class LeaseKeeper:
         """Why this node must stop its workers at monotonic time ``now``, or None while its lease holds."""
         if self.evicted:
             return "the leader declared this node lost: stopping its workers"
+        if self.lapsed:
+            return (f"this node's lease in {self.where} ended (no keep-alive reached it for --node-timeout "
+                    f"{self.timeout:g}): the others count this node lost; fencing")
         silent = now - self.renewed
         if silent > self.timeout * FENCE_FRACTION:
             return (f"could not renew this node's lease in {self.where} for {silent:.1f} s (--node-timeout "
@@ -73,15 +83,28 @@ class LeaseKeeper:
     def _run(self) -> None:
         store = None
         while not self._stop.wait(self.timeout / RENEWALS_PER_TIMEOUT):
+            sent = time.monotonic()  # the store saw the renewal after this: fencing counts from here
             try:
                 store = store or self._connect()
-                store.renew_lease(self.node_rank, self.renewals + 1)
+                if not self._renew(store):
+                    self.lapsed = True
+                    return
                 self.renewals += 1
-                self.renewed = time.monotonic()
+                self.renewed = sent
                 if self.renewals % EVICTION_CHECK_EVERY == 0:
                     self.evicted = store.is_evicted(self.node_rank)
             except RuntimeError:
                 store = None  # reconnect on the next renewal
+
+    def _renew(self, store: JobStore) -> bool:
+        """One renewal; False once the store ended this node's (native) lease."""
+        if not store.native_leases:
+            store.renew_lease(self.node_rank, self.renewals + 1)
+            return True
+        if self.held is None:
+            self.held = store.take_lease(self.node_rank, self.renewals + 1, self.timeout)
+            return True
+        return store.keep_lease(self.held)
 
 
 class NodeLeases:
@@ -106,12 +129,13 @@ class NodeLeases:
             return []
         self.next_check = now + self.look_every  # the leader: one look per renewal period
         lost = []
+        native = self.store.native_leases  # a lease key there is a lease held; one gone, a lease ended
         renewals = self.store.lease_renewals(list(self.seen))
         for node, (count, when) in list(self.seen.items()):
             current = renewals[node]
-            if current is not None and current > count:
+            if current is not None and (current > count or (native and current == count)):
                 self.seen[node] = (current, now)
-            elif now - when > self.timeout:
+            elif (native and count and current is None) or now - when > self.timeout:
                 lost.append((node, now - when))
         for node, _ in lost:
             self.forget(node)

@@ -260,8 +260,10 @@ def test_a_forged_answer_is_not_taken_for_the_jobs(served):
 
 
 @pytest.mark.fast
+@pytest.mark.parametrize("served", ["tcpstore"], indirect=True)
 def test_leases_expire_by_the_clock_given_and_an_evicted_node_learns_it(served):
     store = served()
+    assert not store.native_leases
     leases = NodeLeases(store, [1, 2], timeout=10.0, now=0.0)
     assert leases.expired(0.0) == []
     store.renew_lease(1, 1)
@@ -270,6 +272,26 @@ def test_leases_expire_by_the_clock_given_and_an_evicted_node_learns_it(served):
     assert lost == [(2, NodeLeases.START_GRACE + 1 - (NodeLeases.START_GRACE - 10))]
     assert store.is_evicted(2) and not store.is_evicted(1)
     assert [node for node, _ in leases.expired(NodeLeases.START_GRACE + 16)] == [1]  # no renewal since -5
+
+
+@pytest.mark.parametrize("served", ["etcd"], indirect=True)
+def test_an_etcd_lease_ends_on_etcds_clock_and_its_watcher_counts_the_node_lost_at_once(served):
+    store = served()
+    assert store.native_leases
+    keeper = LeaseKeeper(served, 1, timeout=2.0, where="etcd")  # etcd's shortest TTL
+    leases = NodeLeases(store, [1], timeout=2.0, now=0.0)
+    keeper.start()
+    until(lambda: keeper.renewals >= 2)  # taken, then kept alive
+    assert leases.expired(0.0) == [] and leases.seen[1] == (1, 0.0)
+    assert leases.expired(1.5) == [] and leases.seen[1] == (1, 1.5)  # its key there is its lease held
+    keeper.stop()  # no keep-alive any more: etcd ends the lease after its TTL and deletes the key
+    until(lambda: store.lease_renewals([1]) == {1: None})
+    assert leases.expired(2.0) == [(1, 0.5)]  # lost at once, long before this watcher's own timeout
+    assert store.is_evicted(1)
+    assert not store.keep_lease(keeper.held)  # what a keeper cut off that long learns when it comes back
+    assert keeper.fence_reason(keeper.renewed) is None
+    keeper.lapsed = True
+    assert "lease in etcd ended" in keeper.fence_reason(keeper.renewed)
 
 
 def test_one_node_wins_each_term_of_an_election_and_the_others_read_who(served):
