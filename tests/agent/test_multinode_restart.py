@@ -12,11 +12,12 @@ from conftest import FTRUN
 from runs import RTOL, STEPS, TIMEOUT, TRAINING, Run, read_run
 
 
-def two_nodes(launcher_env: dict[str, str], secret_file: str, port: int, tmp_path: Path, script: str,
+def two_nodes(launcher_env: dict[str, str], secret_file: str, store: list[str], tmp_path: Path, script: str,
               faults: str, *flags: str) -> tuple[Run, Run]:
-    """Run a 2-node job (node 1 started first) to its end: node 0's run and node 1's."""
+    """Run a 2-node job (node 1 started first) to its end, its store named by the flags ``store``: node 0's run
+    and node 1's."""
     env = {**launcher_env, "FTRUN_SECRET_FILE": secret_file, "FAULTS": faults}
-    common = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", *flags]
+    common = ["--nnodes", "2", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", *store, *flags]
     nodes = [subprocess.Popen([*FTRUN, *common, "--node-rank", str(node), "--log-dir", str(tmp_path / f"node{node}"),
                                script, *TRAINING], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for node in (1, 0)]
@@ -31,12 +32,19 @@ def two_nodes(launcher_env: dict[str, str], secret_file: str, port: int, tmp_pat
     return read_run(leader, tmp_path / "node0"), node1
 
 
+@pytest.mark.parametrize("backend", ["embedded", "etcd"])
 def test_a_group_restart_spans_every_node_and_resumes_from_the_state_saved_on_one(
-        launcher_env, secret_file, free_port, tmp_path, workload, baseline):
+        launcher_env, secret_file, free_port, tmp_path, workload, baseline, backend, request):
     # both of node 1's workers die at step 5: 2 of 4 left, below --min-nproc 4, and no joiner comes, so the
     # live workers (node 0's) save step 4 and the group restarts on both nodes. Node 1 has nothing saved:
-    # its new workers must take node 0's state, not start from scratch.
-    leader, node1 = two_nodes(launcher_env, secret_file, free_port(), tmp_path, workload("faulty_train.py"),
+    # its new workers must take node 0's state, not start from scratch. On both stores: with etcd the
+    # verdict and the next attempt's plans go through etcd, the process groups through node 0's TCPStore.
+    if backend == "etcd":
+        store = ["--rdzv-backend", "etcd-v2", "--rdzv-endpoint", request.getfixturevalue("etcd_cluster").endpoints,
+                 "--rdzv-id", f"restart-{free_port()}"]
+    else:
+        store = ["--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
+    leader, node1 = two_nodes(launcher_env, secret_file, store, tmp_path, workload("faulty_train.py"),
                               "kill:5:100000,kill:5:100001", "--min-nproc", "4", "--join-timeout", "1",
                               "--max-restarts", "1")
     why = f"{leader.explain()}\n--- node 1\n{node1.explain()}"
@@ -67,8 +75,8 @@ def test_every_node_ends_with_exit_1_and_one_line_when_the_job_fails(launcher_en
                                                                    workload):
     # a node 1 worker dies and nothing may recover it: the leader's failure is node 1's too (it used to end
     # with exit code 0, its own workers having only been stopped)
-    leader, node1 = two_nodes(launcher_env, secret_file, free_port(), tmp_path, workload("faulty_train.py"),
-                              "kill:3:100001", "--no-recovery")
+    leader, node1 = two_nodes(launcher_env, secret_file, ["--rdzv-endpoint", f"127.0.0.1:{free_port()}"], tmp_path,
+                              workload("faulty_train.py"), "kill:3:100001", "--no-recovery")
     why = f"{leader.explain()}\n--- node 1\n{node1.explain()}"
     assert (leader.returncode, node1.returncode) == (1, 1), why
     ended = [line for line in node1.stderr.splitlines() if line.startswith("ftrun: node 1: ")]
