@@ -216,8 +216,14 @@ class LaunchConfig:
 
     @property
     def multinode(self) -> bool:
-        """Whether the job spans more than one node."""
-        return self.min_nodes > 1
+        """Whether the job spans more than one node (or may, with --nnodes MIN:MAX)."""
+        return self.max_nodes > 1
+
+    @property
+    def joins_late(self) -> bool:
+        """Whether this node is one of --nnodes MIN:MAX's optional ones (rank MIN or more): it joins the
+        running job, its workers placed at the next generation."""
+        return self.node_rank >= self.min_nodes
 
 
 def _entrypoint(script: str, script_args: list[str], module: bool, no_python: bool, run_path: bool) -> list[str]:
@@ -302,9 +308,6 @@ def build_config(
         if value:
             raise UsageError(f"{flag} is not supported by ftrun; remove it (ftrun has no equivalent yet)")
     min_nodes, max_nodes = parse_nnodes(nnodes)
-    if min_nodes != max_nodes:
-        raise UsageError(f"--nnodes {nnodes}: a range of node counts is not supported; give the number of nodes "
-                         "(when a node is lost, ftrun carries on with fewer)")
     hosts = _hosts(hostfile, host_list, nnodes=max_nodes, node_rank=node_rank)
     if hosts is not None:
         min_nodes = max_nodes = len(hosts)
@@ -381,7 +384,7 @@ def build_config(
                          f"{monitor_interval:g}: raise --node-timeout to {8 * monitor_interval:g} or more")
     if recovery.refresh_every is not None and recovery.refresh_every < 0:
         raise UsageError(f"--refresh-every {recovery.refresh_every}: give 0 (no copies) or a number of steps")
-    world = sum(node_sizes) if node_sizes else nproc * max_nodes
+    world = sum(node_sizes) if node_sizes else nproc * min_nodes
     if not 1 <= recovery.min_nproc <= world:
         raise UsageError(f"--min-nproc {recovery.min_nproc} must be between 1 and the number of workers ({world})")
     try:

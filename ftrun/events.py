@@ -85,6 +85,9 @@ INJECT = EventKind("inject", ("kind", "rank", "uid", "pid", "args"))
 """A drill of ``ftrun inject`` was carried out."""
 NODE_LOST = EventKind("node_lost", ("node", "reason", "ranks"))
 """The leader declared a node lost (its lease ran out, or its agent ended)."""
+NODE_JOINED = EventKind("node_joined", ("node", "target"))
+"""A node of ``--nnodes MIN:MAX``'s optional ones started its workers: they join at the next generation,
+which grows to ``target`` training workers."""
 LEADER = EventKind("leader", ("node", "term", "store", "reason"))
 """Node ``node`` was elected leader (``term``: 1 for the first after node 0) through etcd, and serves the
 process groups' store at ``store`` from now on; ``reason``: why the leader before it was lost."""
@@ -106,7 +109,7 @@ GPU_HEALTH = EventKind("gpu_health", ("kind", "gpu", "local_rank", "value", "act
 KINDS: dict[str, EventKind] = {kind.name: kind for kind in (
     START, WORKER_START, WORKER_EXIT, FAULT, GENERATION, RECOVERY, RECOVERY_REFUSED, RECOVERY_FAILED, RESCUE,
     JOINER_READY, JOINER_LOST, GROUP_FAILURE, PROGRESS, RESUMED, ATTEMPT_END, END, LINK_FAULT, HANG, INJECT, NODE_LOST,
-    FENCED, LEADER, GPU_HEALTH, UNKILLABLE, WRITES_DROPPED, FORK_SERVER)}
+    NODE_JOINED, FENCED, LEADER, GPU_HEALTH, UNKILLABLE, WRITES_DROPPED, FORK_SERVER)}
 """Every kind of event, by name."""
 
 

@@ -112,7 +112,6 @@ def test_an_abbreviation_with_its_value_after_equals_and_the_scripts_own_flags()
 
 
 REFUSED = [  # (flags, the one line's words, how the README's list names it)
-    (["--nnodes", "1:2"], "a range of node counts is not supported", "--nnodes MIN:MAX"),
     (["--logs-specs", "custom"], "--logs-specs is not supported", "--logs-specs"),
     (["--numa-binding", "node"], "--numa-binding is not supported", "--numa-binding"),
     (["--duplicate-stdout-filters", "loss"], "--duplicate-stdout-filters is not supported",

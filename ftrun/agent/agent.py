@@ -300,8 +300,9 @@ class Agent:
                             config.multinode, self.restarted_after)
         leader = Leader(setup, self.store, self.log, self.console, self, self.pool, self.gpu_health)
         if links.node_leases is not None:
-            leader.nodes = RemoteNodes(links.outbox, links.node_leases, config.min_nodes, self.restart_count, self.log,
-                                       self.console, self, leader, config.node_rank)
+            leader.nodes = RemoteNodes(links.outbox, links.node_leases, config.max_nodes, self.restart_count, self.log,
+                                       self.console, self, leader, config.node_rank,
+                                       late=(config.min_nodes, config.nproc_per_node))
         return leader
 
     # ----------------------------------------------------------- workers
@@ -320,8 +321,9 @@ class Agent:
         self.local_world = len(local_ranks)
         self.pool.new_attempt(self.restart_count, self.sizes,
                               rescue_source(self.restart_count, self.rescued, self.run_dir, self.config.resume_from))
+        late = self.config.joins_late  # a node of --nnodes MIN:MAX's optional ones: every worker joins
         for index, local_rank in enumerate(local_ranks):
-            self.start_worker(local_rank, rank=self.config.rank_offset + index)
+            self.start_worker(local_rank, rank=None if late else self.config.rank_offset + index)
         for index in range(self.config.recovery.spares):
             if self.gpu_health.usable(self.config.nproc_per_node + index):
                 self.start_worker(self.config.nproc_per_node + index, rank=None)
@@ -330,7 +332,8 @@ class Agent:
     def sizes(self) -> tuple[int, ...]:
         """Training workers per node in the current attempt: this node's less its evicted GPUs'."""
         sizes = list(self.config.sizes)
-        sizes[self.config.node_rank] = self.local_world
+        if not self.config.joins_late:
+            sizes[self.config.node_rank] = self.local_world
         return tuple(sizes)
 
     def start_worker(self, local_rank: int, rank: int | None, respawn_of: WorkerSlot | None = None) -> Worker:

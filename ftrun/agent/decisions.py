@@ -169,15 +169,20 @@ def decide_fault(m: Membership, options: RecoveryOptions, lost: Sequence[int], r
     return Decision(Act.NEW_PLAN, what, next_plan(m.plan, lost, m.ready, m.target, what))
 
 
-def decide_join(m: Membership, options: RecoveryOptions, recovery: Recovery | None, rescuing: bool = False) -> Decision:
+def decide_join(m: Membership, options: RecoveryOptions, recovery: Recovery | None, rescuing: bool = False,
+                warming: int = 0) -> Decision:
     """Whether ready joiners fill the current generation now (NEW_PLAN), must wait for more (WAIT), or not;
-    ``rescuing``: the live workers are saving their state for a group restart."""
+    ``rescuing``: the live workers are saving their state for a group restart; ``warming``: joiners started
+    and not ready yet (those that start together, a late node's, join together, in one generation, unless the
+    ready ones fill it already)."""
     if rescuing:  # a joiner ready just after the recovery gave up would get a plan the stopping group never forms
         return Decision(Act.NONE, "the group is restarting; joiners are not placed")
     if recovery is not None and recovery.waiting_since is None:
         return Decision(Act.NONE, "a recovery is under way; joiners are placed once it is done")
     if not m.ready or len(m.plan.members) >= m.target or m.left_loop or m.finished:
         return NOTHING  # nobody to place, full, or the training is over
+    if warming and len(m.plan.members) + len(m.ready) < m.target:
+        return Decision(Act.NONE, f"{warming} more joiner{'s' if warming > 1 else ''} starting: they join together")
     if len(m.plan.members) + len(m.ready) < options.min_nproc:
         return Decision(Act.WAIT, f"below --min-nproc {options.min_nproc}: waiting for more joiners", m.plan)
     return Decision(Act.NEW_PLAN, "joiner ready", next_plan(m.plan, (), m.ready, m.target, "joiner ready"))

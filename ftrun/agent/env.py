@@ -43,7 +43,9 @@ def worker_env(
     """
     env = launch_env(config)
     sizes = config.sizes if node_sizes is None else node_sizes
-    world, local_world = sum(sizes), sizes[config.node_rank]
+    # a node that joins late (--nnodes MIN:MAX) is not among the starting sizes: its workers are joiners
+    world = sum(sizes)
+    local_world = sizes[config.node_rank] if config.node_rank < len(sizes) else config.nproc_per_node
     env.update(
         LOCAL_RANK="0" if config.virtual_local_rank else str(local_rank),
         RANK=str(rank),

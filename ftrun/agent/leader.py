@@ -258,6 +258,12 @@ class Leader:
         if gen == self.plan.gen:
             self._trouble(time.monotonic()).stuck_nodes.add(node)
 
+    def grow(self, workers: int) -> int:
+        """A node of --nnodes MIN:MAX's optional ones joined with ``workers`` training workers: the joiners
+        top the generation up to the larger target. The new target."""
+        self.members.target += workers
+        return self.members.target
+
     def seen_generation(self, gen: int) -> None:
         """Another node's workers may be in a generation this node, elected after the leader before it, never
         heard of (that leader's last plan reached them first): the next plan is numbered after it, so that
@@ -362,7 +368,7 @@ class Leader:
 
     def _place_joiners(self) -> None:
         """Ready joiners fill a generation that is below its target size."""
-        decision = decide_join(self.members, self.options, self.recovery, self.rescue is not None)
+        decision = decide_join(self.members, self.options, self.recovery, self.rescue is not None, self._warming())
         if decision.act not in (Act.WAIT, Act.NEW_PLAN):
             return
         if self.recovery is None:

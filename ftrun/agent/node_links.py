@@ -40,7 +40,7 @@ class NodeLinks:
 def start_links(config: LaunchConfig, leader: bool, store: JobStore, access: StoreAccess, mail_w: int) -> NodeLinks:
     """Start this node's mailbox reader (ringing ``mail_w``) and lease, each thread with its own connection
     to the store (from ``access``); ``store`` is the agent's."""
-    senders = [keys.node_box(n) for n in range(1, config.min_nodes)] if leader else [keys.LEADER_BOX]
+    senders = [keys.node_box(n) for n in range(1, config.max_nodes)] if leader else [keys.LEADER_BOX]
     if leader and config.under_launcher:
         senders.append(keys.LAUNCHER)
     mail = MailReader(access.connect, keys.node_box(config.node_rank), mail_w, protocol.mail_problem, tuple(senders))

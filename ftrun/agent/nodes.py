@@ -79,11 +79,17 @@ class RemoteNodes:
     """The other nodes as the leader sees them: feeds their workers' news to the leader's coordination."""
 
     def __init__(self, outbox: Outbox, leases: NodeLeases, nnodes: int, attempt: int, log: EventSink,
-                 notices: Notices, control: WorkerControl, coordination: LeaderInbox, node_rank: int = 0) -> None:
+                 notices: Notices, control: WorkerControl, coordination: LeaderInbox, node_rank: int = 0,
+                 late: tuple[int, int] | None = None) -> None:
         self.node_rank = node_rank  # the leader's own node: 0, or the node elected after it
         self.outbox = outbox
         self.leases = leases
-        self.nnodes = nnodes
+        self.nnodes = nnodes  # at most (--nnodes MIN:MAX's MAX)
+        # --nnodes MIN:MAX: nodes from rank MIN on join the running job, each with this many training workers
+        self.first_late, self.late_nproc = late if late is not None else (nnodes, 0)
+        self.joined: set[int] = set()  # such nodes that joined in this attempt
+        # the nodes the job starts with whose workers have yet to start (a progress line says so meanwhile)
+        self.starting: set[int] | None = set(range(self.first_late)) - {node_rank}
         self.attempt = attempt
         self.log = log
         self.notices = notices
@@ -114,6 +120,8 @@ class RemoteNodes:
         if takeover is not None and (not takeover.awaiting or now >= takeover.deadline):
             self.takeover = None
             self.node_lost(takeover.lost, takeover.why, takeover.since)
+        if self.starting is not None and not self.control.stopping():
+            self._await_start()
         try:
             expired = self.leases.expired(now)
         except RuntimeError:
@@ -137,6 +145,7 @@ class RemoteNodes:
             self.coordination.node_stuck(message["node"], message["gen"], message["reason"])
             return
         if kind == protocol.WORKER_STARTED:
+            self._admit(node_of(uid))
             slot = WorkerSlot(uid=uid, worker_id=f"{node_of(uid)}:{uid}", local_rank=message["local_rank"],
                               rank=message["rank"], joiner=message["joiner"])
             self.remote[uid] = RemoteWorker(self.outbox, slot, message["pid"])
@@ -156,6 +165,30 @@ class RemoteNodes:
                 self.coordination.on_finished(worker)
             elif not self.control.stopping():
                 self.control.workers_failed([(worker, WorkerFailure(**message["failure"]))])
+
+    def _await_start(self) -> None:
+        """Say which of the nodes the job starts with (--nnodes, or MIN of MIN:MAX) it still waits for; each has
+        NodeLeases.START_GRACE to renew its lease for the first time, or it is lost."""
+        missing = sorted(self.starting - {node_of(uid) for uid in self.remote} - set(self.lost))
+        if missing:
+            self.notices.progress(f"waiting for node{'s' * (len(missing) > 1)} {', '.join(map(str, missing))} to "
+                                  f"start its workers ({self.first_late - len(missing)} of {self.first_late} nodes "
+                                  f"here): up to {self.leases.START_GRACE:.0f} s")
+        else:
+            self.notices.progress(None)
+            self.starting = None
+
+    def _admit(self, node: int) -> None:
+        """A late node's first worker started: watch its lease, and grow the generation by its workers (they
+        join as joiners: placed at the next generation, taking their state from their peers)."""
+        if node < self.first_late or node in self.joined or node in self.lost:
+            return
+        self.joined.add(node)
+        self.leases.watch(node, time.monotonic())
+        target = self.coordination.grow(self.late_nproc)
+        self.log.write(events.NODE_JOINED, node=node, target=target)
+        self.notices.notice(f"ftrun: node {node} joined: its workers join the group at the next generation "
+                            f"({target} workers)", style="bold")
 
     def node_lost(self, node: int, why: str, since: float) -> None:
         """Declare ``node`` lost (gone since ``since``, wall clock): its workers are one fault."""

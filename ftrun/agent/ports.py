@@ -113,6 +113,10 @@ class LeaderInbox(Protocol):
     def seen_generation(self, gen: int) -> None:
         """Another node knew of generation ``gen`` (a new leader hears it): the next plan comes after it."""
 
+    def grow(self, workers: int) -> int:
+        """A node joined with ``workers`` more training workers: the generation's target grows by them; the
+        new target."""
+
 
 class Progress(Protocol):
     """What the hang watchdog knows of one worker's progress."""

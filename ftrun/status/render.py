@@ -118,6 +118,7 @@ DESCRIPTIONS: dict[str, Callable[[dict[str, Any]], str]] = {
     "hang": lambda e: f"{_rank(e)} silent for {e.get('silent_for')} s",
     "gpu_health": lambda e: f"GPU {e.get('gpu')} (local rank {e.get('local_rank')}): {e.get('reason')} "
                             f"-> {e.get('action')}",
+    "node_joined": lambda e: f"node {e.get('node')} joined: its workers join the group, up to {e.get('target')}",
     "node_lost": lambda e: f"node {e.get('node')} lost ({e.get('reason')}): ranks {e.get('ranks')}",
     "fenced": lambda e: f"this node stopped its workers: {e.get('reason')}",
     "leader": lambda e: f"node {e.get('node')} elected leader (term {e.get('term')}), the store now at "

@@ -141,6 +141,11 @@ class NodeLeases:
             self.forget(node)
         return lost
 
+    def watch(self, node: int, now: float) -> None:
+        """Watch ``node`` too from ``now`` on (a node that joined the running job): lost if it does not renew
+        within the timeout."""
+        self.seen.setdefault(node, (0, now))
+
     def forget(self, node: int) -> None:
         """Stop watching ``node`` (lost, or done) and tell it, should it come back, that it was evicted."""
         if self.seen.pop(node, None) is not None and self.evicts:

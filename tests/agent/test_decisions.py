@@ -164,6 +164,18 @@ def test_joiners_wait_when_full_absent_the_training_over_or_a_recovery_running(w
     assert decide_join(m, RecoveryOptions(), recovery).act is Act.NONE
 
 
+def test_joiners_that_start_together_join_together_unless_the_ready_ones_fill_the_generation():
+    # a late node's two workers (--nnodes MIN:MAX): the first ready waits for the second, not placed alone
+    m = Membership(Plan(0, [0, 1, 100000, 100001]), target=6, ready=[200000])
+    assert decide_join(m, RecoveryOptions(), None, warming=1).act is Act.NONE
+    m.ready.append(200001)
+    decision = decide_join(m, RecoveryOptions(), None, warming=0)
+    assert decision.act is Act.NEW_PLAN and decision.plan.joiners == [200000, 200001]
+    assert decision.plan.world_size == 6
+    m = Membership(Plan(2, [0, 1, 3]), target=4, ready=[4])  # one ready spare fills it: another starting waits not
+    assert decide_join(m, RecoveryOptions(), None, warming=1).act is Act.NEW_PLAN
+
+
 def test_a_joiner_ready_once_the_group_is_restarting_is_not_placed():
     # a worker forked warm can be ready a moment after the wait for it gave up
     m = Membership(Plan(0, [0, 1, 3]), target=4, ready=[4])

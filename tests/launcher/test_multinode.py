@@ -187,7 +187,8 @@ def test_ctrl_c_stops_every_agent_and_worker_on_every_host(netns_hosts, ssh_keys
 
 @pytest.mark.parametrize("args, message", [
     (["--nnodes", "2"], "every node needs the store's address"),
-    (["--nnodes", "1:2"], "a range of node counts is not supported"),
+    (["--nnodes", "1:2", "--node-rank", "2", "--rdzv-endpoint", "h:1"], "--node-rank 2: must be between 0 and"),
+    (["--nnodes", "3:2"], "--nnodes '3:2' is not valid: use N or MIN:MAX"),
     (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1"], "--node-rank 2: must be between 0 and"),
     (["-H", "localhost", "--nnodes", "2"], "--hostfile/-H starts every node from here"),
     (["-H", "a,a"], "duplicate host 'a'"),
