@@ -62,7 +62,7 @@ class Recovery:
     lost_ranks: list[int] = field(default_factory=list)
     lost_uids: list[int] = field(default_factory=list)
     plan_sent: float = 0.0  # wall clock
-    gen: int = 0
+    gen: int = -1  # the generation planned for it (none yet: a step committed in the one the fault hit ends nothing)
     reports: dict[int, dict[str, Any]] = field(default_factory=dict)  # uid -> its ``recovered`` message
     waiting_since: float | None = None  # monotonic: below --min-nproc, waiting for joiners since
 
