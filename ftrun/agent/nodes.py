@@ -145,7 +145,10 @@ class RemoteNodes:
             self.coordination.node_stuck(message["node"], message["gen"], message["reason"])
             return
         if kind == protocol.WORKER_STARTED:
-            self._admit(node_of(uid))
+            if node_of(uid) in self.leases.seen:  # heard from: its lease counts from now at the latest
+                self.leases.watch(node_of(uid), time.monotonic())
+            else:
+                self._admit(node_of(uid))
             slot = WorkerSlot(uid=uid, worker_id=f"{node_of(uid)}:{uid}", local_rank=message["local_rank"],
                               rank=message["rank"], joiner=message["joiner"])
             self.remote[uid] = RemoteWorker(self.outbox, slot, message["pid"])

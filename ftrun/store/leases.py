@@ -142,9 +142,12 @@ class NodeLeases:
         return lost
 
     def watch(self, node: int, now: float) -> None:
-        """Watch ``node`` too from ``now`` on (a node that joined the running job): lost if it does not renew
-        within the timeout."""
-        self.seen.setdefault(node, (0, now))
+        """Count ``node``'s lease from ``now`` unless it has renewed already: a node that joined the running
+        job, or one heard from (its workers started) before its first renewal. Lost if it does not renew within
+        the timeout from then: a node cut off before its first renewal is not left to the start grace."""
+        count, _ = self.seen.get(node, (0, now))
+        if count == 0:
+            self.seen[node] = (0, now)
 
     def forget(self, node: int) -> None:
         """Stop watching ``node`` (lost, or done) and tell it, should it come back, that it was evicted."""

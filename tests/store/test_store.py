@@ -274,6 +274,20 @@ def test_leases_expire_by_the_clock_given_and_an_evicted_node_learns_it(served):
     assert [node for node, _ in leases.expired(NodeLeases.START_GRACE + 16)] == [1]  # no renewal since -5
 
 
+@pytest.mark.fast
+@pytest.mark.parametrize("served", ["tcpstore"], indirect=True)
+def test_a_node_heard_from_before_its_first_renewal_is_held_to_the_timeout_not_the_start_grace(served):
+    store = served()
+    leases = NodeLeases(store, [1, 2], timeout=10.0, now=0.0)
+    store.renew_lease(2, 1)
+    assert leases.expired(0.0) == []
+    leases.watch(1, 5.0)  # its workers started (it was cut off before it could renew)
+    leases.watch(2, 5.0)  # renewed already: its clock is its renewals'
+    leases.watch(3, 5.0)  # a node that joined the running job
+    assert leases.expired(12.0) == [(2, 12.0)]  # watching it changed nothing
+    assert leases.expired(16.0) == [(1, 11.0), (3, 11.0)]  # long before the start grace
+
+
 @pytest.mark.parametrize("served", ["etcd"], indirect=True)
 def test_an_etcd_lease_ends_on_etcds_clock_and_its_watcher_counts_the_node_lost_at_once(served):
     store = served()
