@@ -1,7 +1,8 @@
 """Nodes that join a running job (``--nnodes MIN:MAX``): two nodes start and train, a third arrives later
-(scheduler mode, every node on this machine), and its workers join at the next generation, taking their
-state from their peers' memory: world 4 -> 6 in one generation, the first nodes' workers untouched, 0 steps
-lost, the fault-free run's losses (global batches: the loss of a step does not depend on the world size)."""
+(scheduler mode: on this machine, or three network-namespace hosts on a bridge), and its workers join at the
+next generation, taking their state from their peers' memory: world 4 -> 6 in one generation, the first
+nodes' workers untouched, 0 steps lost, the fault-free run's losses (global batches: the loss of a step does
+not depend on the world size)."""
 
 from __future__ import annotations
 
@@ -17,18 +18,43 @@ TRAINING = ["--steps", str(STEPS), "--width", "256"]
 """held_train.py's training (HELD_TRAINING) cut short: its first 40 steps are the fault-free held run's."""
 
 
+@pytest.fixture
+def three_hosts():
+    """Three network-namespace hosts on a bridge (no sshd: each node is started in its host, as a scheduler
+    would); skipped with ip's own error where namespaces cannot be made."""
+    from netns import Network, NetnsError, unsupported
+
+    reason = unsupported()
+    if reason:
+        pytest.skip(f"network namespaces unavailable: {reason}")
+    try:
+        network = Network.create(3)
+    except NetnsError as error:
+        pytest.skip(f"namespace hosts cannot be connected here: {error}")
+    yield network
+    network.delete()
+
+
+@pytest.mark.parametrize("where", ["this machine", "namespace hosts"])
 def test_a_third_node_joins_a_running_job_and_its_workers_take_their_state_from_peers(
-        launcher_env, workload, free_port, secret_file, tmp_path, held_baseline):
+        launcher_env, workload, free_port, secret_file, tmp_path, held_baseline, where, request):
     hold = tmp_path / "hold"  # the job cannot run out of steps before the third node is in
     hold.touch()
     env = {**launcher_env, "FTRUN_SECRET_FILE": secret_file, "HOLD": str(hold)}
-    common = ["--nnodes", "2:3", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-              "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
+    prefixes, address = [[], [], []], "127.0.0.1"
+    if where == "namespace hosts":
+        from netns import HOST_IFNAME
+
+        hosts = request.getfixturevalue("three_hosts").hosts
+        prefixes, address = [host.prefix for host in hosts], hosts[0].address
+        env["GLOO_SOCKET_IFNAME"] = HOST_IFNAME
+    common = ["--nnodes", "2:3", "--nproc-per-node", "2", "--master-addr", address,
+              "--rdzv-endpoint", f"{address}:{free_port()}"]
 
     def node(rank: int, **kwargs) -> subprocess.Popen:
-        return subprocess.Popen([*FTRUN, *common, "--node-rank", str(rank), "--log-dir", str(tmp_path / f"node{rank}"),
-                                 workload("held_train.py"), *TRAINING], env=env, stderr=subprocess.PIPE, text=True,
-                                **kwargs)
+        return subprocess.Popen([*prefixes[rank], *FTRUN, *common, "--node-rank", str(rank), "--log-dir",
+                                 str(tmp_path / f"node{rank}"), workload("held_train.py"), *TRAINING], env=env,
+                                stderr=subprocess.PIPE, text=True, **kwargs)
 
     node1 = node(1, stdout=subprocess.PIPE)
     node0 = node(0, stdout=subprocess.PIPE)
