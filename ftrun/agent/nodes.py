@@ -190,8 +190,8 @@ class RemoteNodes:
         self.leases.watch(node, time.monotonic())
         target = self.coordination.grow(self.late_nproc)
         self.log.write(events.NODE_JOINED, node=node, target=target)
-        self.notices.notice(f"ftrun: node {node} joined: its workers join the group at the next generation "
-                            f"({target} workers)", style="bold")
+        self.notices.notice(f"ftrun: node {node} joined: its workers join the group at the next generation",
+                            style="bold")
 
     def node_lost(self, node: int, why: str, since: float) -> None:
         """Declare ``node`` lost (gone since ``since``, wall clock): its workers are one fault."""
