@@ -339,16 +339,19 @@ def build_config(
         raise UsageError("--standalone is for one node: remove it, or --nnodes/--hostfile")
     etcd = None
     if rdzv_backend in etcd_backend.BACKENDS:
-        etcd = _etcd(rdzv_endpoint, rdzv_id, rdzv_conf, multinode=max_nodes > 1, hostfile=hosts is not None)
+        etcd = _etcd(rdzv_endpoint, rdzv_id, rdzv_conf, multinode=max_nodes > 1 and hosts is None)
         # the process groups' store is node 0's (as with static): on a free port unless --master-port says
         rdzv_backend, rdzv_endpoint = "static", ""
-        if max_nodes > 1:
+        if max_nodes > 1 and hosts is None:
             master_addr, master_port = master_addr or socket.getfqdn(), master_port or 0
     store, addr = _store_endpoint(rdzv_backend, rdzv_endpoint, master_addr or "127.0.0.1", master_port, standalone)
     node_sizes: tuple[int, ...] = ()
     if hosts is not None:
         node_sizes = tuple(nproc if nproc_per_node else (h.slots or nproc) for h in hosts)
-        if not rdzv_endpoint:
+        if etcd is not None:  # node 0 serves the process groups' store, on its host
+            addr = master_addr or ("localhost" if all(is_local(h.name) for h in hosts) else hosts[0].name)
+            store = Endpoint(addr, master_port or 0)
+        elif not rdzv_endpoint:
             addr = master_addr or ("localhost" if all(is_local(h.name) for h in hosts) else socket.getfqdn())
             store = Endpoint(addr, master_port or 0)
     if standalone or (rdzv_backend == "static" and not rdzv_endpoint and master_port is None):
@@ -359,7 +362,8 @@ def build_config(
     if etcd is not None:
         run_id, rdzv_backend = etcd.run_id, "etcd"
     multinode = max_nodes > 1 or hosts is not None
-    serves_store = hosts is not None or node_rank == 0  # this process hosts the store: it listens
+    # this process hosts the store: it listens (with etcd and --hostfile, node 0's agent does, on its host)
+    serves_store = (hosts is not None and etcd is None) or (hosts is None and node_rank == 0)
     store_listen = bind or (listen_address(store.host, multinode) if serves_store else "")
     ranks_filter = None
     if local_ranks_filter:
@@ -443,11 +447,9 @@ def _hosts(hostfile: str | None, host_list: str | None, *, nnodes: int, node_ran
     return read_hostfile(hostfile) if hostfile is not None else parse_host_list(host_list)
 
 
-def _etcd(endpoints: str, rdzv_id: str, rdzv_conf: str, *, multinode: bool, hostfile: bool) -> EtcdOptions:
-    """The etcd backend's options; a job on one node without a --rdzv-id gets a run id of its own."""
-    if hostfile:
-        raise UsageError("--rdzv-backend etcd with --hostfile is not supported yet: start each node itself "
-                         "(scheduler mode: --nnodes, --node-rank, the same --rdzv-id on every node)")
+def _etcd(endpoints: str, rdzv_id: str, rdzv_conf: str, *, multinode: bool) -> EtcdOptions:
+    """The etcd backend's options; a job without a --rdzv-id gets a run id of its own, but for nodes started
+    one by one (``multinode``), which must all name the same."""
     if not endpoints:
         raise UsageError("--rdzv-backend etcd needs the cluster's --rdzv-endpoint h1:2379[,h2:2379,...]")
     if rdzv_id == "none" and multinode:

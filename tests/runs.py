@@ -12,7 +12,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
+
+from ftrun.launcher import handoff
 
 STEPS = 12
 TRAINING = ["--steps", str(STEPS), "--width", "256"]
@@ -204,3 +207,14 @@ def check_steps(run: Run, baseline: dict[int, float], lost: dict[int, int]) -> N
             f"step {step}\n{why}"
     for uid in lost:
         assert all(c.step < recoveries[0]["resumed_at_step"] for c in commits.get(uid, [])), why
+
+
+def agent_of_node(node: int, log_dir: Path | None = None) -> psutil.Process:
+    """The agent process of ``node`` of a --hostfile launch (on this machine, directly or over ssh), of the
+    launch writing under ``log_dir`` when given: its node rank is in the hand-off in its environment."""
+    for proc in psutil.process_iter(["cmdline"]):
+        if (proc.info["cmdline"] or [])[1:4] == ["-m", "ftrun", "_agent"]:
+            config = handoff.decode(proc.environ()[handoff.VARIABLE])
+            if config.node_rank == node and (log_dir is None or config.log_dir == log_dir):
+                return proc
+    raise AssertionError(f"no agent for node {node}")

@@ -382,7 +382,8 @@ class Agent:
         groups' store from now on, and plans without the lost leader's workers) or follows the one elected.
         None once one leads, else why this node stops."""
         config = self.config
-        why = f"node {lost}, the leader, has not renewed its lease for {silent:.1f} s (its agent is gone or cut off)"
+        why = (f"node {lost}, the leader, let its lease run out (last seen renewed {silent:.1f} s ago: its agent is "
+               "gone or cut off)")
         try:
             won = elect(self.store, self.term + 1, config.node_rank, self._serve_group_store, config.node_timeout)
         except (RuntimeError, OSError, UsageError) as exc:

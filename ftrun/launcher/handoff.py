@@ -23,6 +23,7 @@ from typing import Any
 from ftrun.config import Endpoint, LaunchConfig, RecoveryConfig
 from ftrun.errors import UsageError
 from ftrun.health.signals import Action
+from ftrun.store.etcd import EtcdOptions
 
 VERSION = 1
 """Bumped whenever a field changes meaning; an agent refuses any other version."""
@@ -37,12 +38,17 @@ _LAUNCHER_ONLY = ("hosts",)
 
 def agent_config(config: LaunchConfig, *, node_rank: int, node_name: str, store: Endpoint,
                  run_name: str) -> LaunchConfig:
-    """The configuration of node ``node_rank``'s agent in the ``--hostfile`` launch ``config``."""
+    """The configuration of node ``node_rank``'s agent in the ``--hostfile`` launch ``config``: ``store`` is
+    the one the launcher serves, or with etcd node 0's process-group store (node 0 serves it; the others,
+    given port 0, read where in etcd)."""
     sizes = config.sizes
+    serves = config.etcd is not None and node_rank == 0
+    if config.etcd is not None and node_rank != 0:
+        store = Endpoint(store.host, 0)
     return dataclasses.replace(
         config, node_rank=node_rank, nproc_per_node=sizes[node_rank], node_sizes=sizes, min_nodes=len(sizes),
         max_nodes=len(sizes), store=store, master_addr=store.host, node_name=node_name, run_name=run_name,
-        host_store=False, under_launcher=True, hosts=None)
+        host_store=serves, store_listen=config.store_listen if serves else "", under_launcher=True, hosts=None)
 
 
 def encode(config: LaunchConfig) -> str:
@@ -67,6 +73,9 @@ def decode(line: str) -> LaunchConfig:
         fields = dict(data["config"])
         fields["store"] = Endpoint(**fields["store"])
         fields["recovery"] = RecoveryConfig(**fields["recovery"])
+        if fields["etcd"] is not None:
+            etcd = dict(fields["etcd"])
+            fields["etcd"] = EtcdOptions(**{**etcd, "endpoints": tuple((str(h), int(p)) for h, p in etcd["endpoints"])})
         for name in ("log_dir", "resume_from"):
             fields[name] = None if fields[name] is None else Path(fields[name])
         for name in ("redirects", "tee"):

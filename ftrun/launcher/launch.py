@@ -9,6 +9,7 @@ from ftrun.agent.agent import Agent
 from ftrun.config import Endpoint, LaunchConfig
 from ftrun.console import Console
 from ftrun.launcher import handoff
+from ftrun.launcher.hosts import listen_address
 from ftrun.store.host import StoreHost
 
 
@@ -19,10 +20,7 @@ def launch(config: LaunchConfig) -> int:
         from ftrun.launcher.multihost import HostLauncher
 
         return HostLauncher(config, console).run()
-    store_host = None
-    if config.host_store:
-        store_host = StoreHost(config.store, config.store_listen)
-        config = dataclasses.replace(config, store=Endpoint(config.store.host, store_host.port))
+    config, store_host = _hosted_here(config)
     if config.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
         console.notice(
             "ftrun: setting OMP_NUM_THREADS=1 for each worker to avoid overloading the machine; "
@@ -38,5 +36,16 @@ def launch_handed_off() -> int:
 
         raise UsageError(f"no {handoff.VARIABLE} in the environment: this command is started by "
                          "`ftrun --hostfile`, not by hand")
-    config = handoff.decode(line)
-    return Agent(config, None, Console()).run()
+    config, store_host = _hosted_here(handoff.decode(line))
+    return Agent(config, store_host, Console()).run()
+
+
+def _hosted_here(config: LaunchConfig) -> tuple[LaunchConfig, StoreHost | None]:
+    """Listen for the store this process hosts, if it hosts one: the configuration with its port. A hostfile
+    launch with etcd hands node 0 no listening address: it resolves the store's host itself, on its host."""
+    if not config.host_store:
+        return config, None
+    listen = config.store_listen or listen_address(config.store.host, config.multinode)
+    store_host = StoreHost(config.store, listen)
+    return dataclasses.replace(config, store=Endpoint(config.store.host, store_host.port), store_listen=listen), \
+        store_host

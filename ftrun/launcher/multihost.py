@@ -30,6 +30,7 @@ from ftrun.lines import LineBuffer
 from ftrun.processes import SignalWake, die_with_parent, signal_name
 from ftrun.store import keys
 from ftrun.store.auth import Seal
+from ftrun.store.etcd import EtcdKeyValue
 from ftrun.store.host import StoreHost
 from ftrun.store.job import JobStore
 from ftrun.store.mailbox import Outbox
@@ -64,18 +65,23 @@ class HostLauncher:
         self.outbox: Outbox | None = None  # the launcher's messages to the leader (a node's agent ended)
 
     def run(self) -> int:
-        """Launch, relay output until node 0's agent ends, stop the rest; node 0's exit code."""
+        """Launch, relay output until node 0's agent ends (with etcd: every agent), stop the rest; the job's
+        exit code."""
         self._probe()
-        store_host = StoreHost(self.config.store, self.config.store_listen)
-        store = Endpoint(self.config.master_addr, store_host.port)
+        config = self.config
+        etcd = config.etcd
+        store_host = StoreHost(config.store, config.store_listen) if etcd is None else None
+        # with etcd, node 0's agent serves the process groups' store (the others learn its port in etcd)
+        store = config.store if store_host is None else Endpoint(config.master_addr, store_host.port)
         for node, host in enumerate(self.hosts):
             self._start_agent(node, host, store)
-        entry = registry.register(registry.new_entry(self.run_name, self.config.run_id, self.config.master_addr,
-                                                     store_host.port, self.run_dir, self.config.secret))
+        entry = registry.register(registry.new_entry(self.run_name, config.run_id, config.master_addr, store.port,
+                                                     self.run_dir, config.secret, etcd.url() if etcd else None))
         try:
             with SignalWake((signal.SIGINT, signal.SIGTERM, signal.SIGHUP)) as wake:
                 self.selector.register(wake.fd, selectors.EVENT_READ, None)
-                self.store = JobStore(store_host.start(), Seal(self.config.secret))
+                kv = store_host.start() if store_host is not None else EtcdKeyValue(etcd)
+                self.store = JobStore(kv, Seal(config.secret))
                 self.outbox = Outbox(self.store, keys.LAUNCHER)
                 return self._relay(wake)
         finally:
@@ -136,8 +142,7 @@ class HostLauncher:
                 stopping = time.monotonic() + 3600
         if interrupted is not None:
             return EXIT_SIGNAL_BASE + interrupted
-        leader = self.agents[0].exitcode
-        return leader if leader is not None and leader >= 0 else EXIT_WORKERS_FAILED
+        return job_exit_code([a.exitcode for a in self.agents], self.config.etcd is not None)
 
     def _pass_on(self, pipe, agent: AgentProcess, out) -> None:
         """Copy complete lines of an agent's output; keep its last stderr lines for a failure report."""
@@ -159,8 +164,9 @@ class HostLauncher:
                 agent.stderr_tail.extend(data.decode(errors="replace").splitlines())
 
     def _agent_ended(self, agent: AgentProcess) -> bool:
-        """Record an agent's end; True when the whole job must stop (node 0's agent ended)."""
-        if agent.node == 0:
+        """Record an agent's end; True when the whole job must stop: node 0's agent ended, but with etcd,
+        where another node is elected leader when node 0 is lost, only once it ended well (the others follow)."""
+        if agent.node == 0 and (self.config.etcd is None or agent.exitcode == 0):
             return True
         if agent.exitcode != 0:
             why = f"the agent on {agent.host.name} ended: {self._why(agent)}"
@@ -204,6 +210,14 @@ class HostLauncher:
             elif not agent.proc.stdin.closed:
                 agent.proc.stdin.close()
         return time.monotonic() + self.config.shutdown_timeout + 5
+
+
+def job_exit_code(codes: list[int | None], failover: bool) -> int:
+    """The launch's exit code from its agents' (by node): node 0's, the leader's; with leader failover
+    (etcd), 0 when any agent succeeded (each ends with the leader's verdict: 0 only when the job succeeded),
+    else node 0's. A signal's death is EXIT_WORKERS_FAILED."""
+    code = 0 if failover and 0 in codes else codes[0]
+    return code if code is not None and code >= 0 else EXIT_WORKERS_FAILED
 
 
 def _probe_error(host: str) -> str | None:

@@ -5,17 +5,21 @@ etcd URL, an etcd that does not answer, and a one-node job that outlives its etc
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from conftest import EXAMPLE, FTRUN
 from etcd_members import Cluster
 from ftrun import cli
 from ftrun.store.etcd import EtcdKeyValue, etcd_options
-from runs import STEPS, TIMEOUT, TRAINING, read_run
+from runs import STEPS, TIMEOUT, TRAINING, agent_of_node, read_run
+from test_leader_loss import check_survivors
 
 DEADLINE = 60.0
 """Seconds a live job has to show what a test waits for."""
@@ -168,3 +172,51 @@ def test_a_two_node_job_does_not_notice_the_loss_of_one_etcd_member_of_three(lau
     commits = leader.commits()
     for uid in (0, 1):
         assert [(c.step, c.world) for c in commits[uid]] == [(step, 4) for step in range(60)], why
+
+
+def test_a_hostfile_launch_on_etcd_goes_on_without_node_0(launcher_env, workload, tmp_path, etcd_cluster,
+                                                          held_baseline):
+    # -H with etcd: node 0's agent serves the process groups' store on its host and the launcher serves
+    # nothing, so node 0's agent and workers SIGKILLed at step 3 end neither the job nor the launch: node 1 is
+    # elected, the workers recover in place, and the launch's exit code is the job's (0)
+    hold, logs = tmp_path / "hold", tmp_path / "logs"  # held until node 0 is gone: the job cannot end first
+    hold.touch()
+    job = subprocess.Popen([*FTRUN, "-H", "localhost:2,127.0.0.1:2", "--node-timeout", "2",
+                            *etcd_flags(etcd_cluster, "hostfile-etcd"), "--log-dir", str(logs),
+                            workload("held_train.py"), "--steps", "40", "--width", "256"],
+                           env={**launcher_env, "HOLD": str(hold)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    lines = []
+    try:
+        for line in job.stdout:
+            lines.append(line)
+            if " step=3 " in line:
+                break
+        node0 = agent_of_node(0, logs)
+        workers = [e["pid"] for e in read_events(logs) if e["event"] == "worker_start" and e["node"] == 0]
+        os.killpg(node0.pid, signal.SIGKILL)  # its agent, fork server and workers, at once
+        hold.unlink()
+        out, err = job.communicate(timeout=TIMEOUT)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    printed = ("".join(lines) + out).splitlines(keepends=True)
+    survivors = "".join(line for line in printed if " uid=10000" in line)  # node 1's workers' commits
+    run = read_run(subprocess.CompletedProcess(job.args, job.returncode, survivors, err), next(logs.iterdir()))
+    why = run.explain()
+    assert job.returncode == 0, why
+    assert "ftrun: node 0: the agent on localhost ended: killed by SIGKILL" in err, why
+    assert not any(psutil.pid_exists(pid) for pid in workers), why
+    (elected,) = run.of("leader")
+    assert (elected["node"], elected["term"]) == (1, 1), why
+    (recovery,) = run.of("recovery")
+    assert sorted(recovery["lost_uids"]) == [0, 1] and recovery["steps_lost"] == 0, why
+    check_survivors(run, held_baseline, recovery["resumed_at_step"], (4, 2), exact=True)
+    stored = keys_of(etcd_cluster, "hostfile-etcd")
+    assert {"ftrun/job", "ftrun/group_store", "ftrun/leader/1"} <= set(stored), stored
+
+
+def read_events(logs: Path) -> list[dict]:
+    """Node 0's events so far (its run directory under ``logs``)."""
+    (log,) = logs.glob("*/events.jsonl")
+    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]

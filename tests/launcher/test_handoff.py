@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 from pathlib import Path
@@ -14,6 +15,7 @@ from ftrun.errors import UsageError
 from ftrun.health.signals import Action
 from ftrun.launcher import handoff
 from ftrun.launcher.hosts import Host
+from ftrun.store.etcd import EtcdOptions
 
 pytestmark = pytest.mark.fast
 
@@ -46,6 +48,17 @@ def test_each_agent_gets_the_launchers_configuration_with_its_own_part_filled_in
     assert agent.xid_table[13] == (Action.EVICT_GPU, "graphics engine exception")
     env = worker_env(agent, rank=4, local_rank=0, uid=4, restart_count=0, store_port=29511, run_dir="/runs/r")
     assert env["FTRUN_REFRESH_EVERY"] == "3"  # --refresh-every reaches every worker of every host
+
+
+def test_with_etcd_node_0_serves_the_group_store_and_the_others_read_where_in_etcd():
+    etcd = EtcdOptions((("e1", 2379), ("e2", 2380)), "job7", ca_cert="/ca.pem", user="ft", password_file="/pw")
+    config = dataclasses.replace(launcher_config(), etcd=etcd, store=Endpoint("node0", 0), store_listen="")
+    node0, node1 = (handoff.decode(handoff.encode(handoff.agent_config(config, node_rank=rank, node_name=f"node{rank}",
+                                                                       store=config.store, run_name="job7_ab")))
+                    for rank in (0, 1))
+    assert node0.etcd == node1.etcd == etcd  # the cluster and its credentials' files, whole
+    assert node0.host_store and node0.store == Endpoint("node0", 0) and node0.store_listen == ""  # resolved there
+    assert not node1.host_store and node1.store.port == 0  # port 0: node 0 publishes its port in etcd
 
 
 @pytest.mark.parametrize("line, message", [

@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from conftest import EXAMPLE, FTRUN
-from ftrun.launcher import handoff
+from runs import agent_of_node
 from netns import HOST_IFNAME
 
 STEPS = 60
@@ -67,17 +67,6 @@ def hostfile_job(network, ssh_keys, tmp_path: Path, env: dict[str, str], *extra:
     return subprocess.Popen([*FTRUN, "--hostfile", str(hosts), "--master-addr", network.gateway, "--log-dir",
                              str(tmp_path / "logs"), *extra, EXAMPLE, "--steps", str(STEPS)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def agent_of_node(node: int) -> psutil.Process:
-    """The agent process of ``node`` (started by the launcher over ssh, on this same machine): its node rank
-    is in the hand-off it found in its environment."""
-    for proc in psutil.process_iter(["cmdline"]):
-        if (proc.info["cmdline"] or [])[1:4] == ["-m", "ftrun", "_agent"]:
-            config = handoff.decode(proc.environ()[handoff.VARIABLE])
-            if config.node_rank == node:
-                return proc
-    raise AssertionError(f"no agent for node {node}")
 
 
 def run_until(proc: subprocess.Popen, step: int, action) -> str:

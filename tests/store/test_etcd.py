@@ -214,7 +214,6 @@ def test_a_server_that_is_not_etcd_is_one_clear_error(answer):
     (["--rdzv-backend", "etcd", "--rdzv-endpoint", "h1", "--rdzv-conf", "protocol=ftp"], "use http or https"),
     (["--rdzv-backend", "etcd", "--rdzv-endpoint", "h1", "--rdzv-conf", "cacert=/nonexistent"], "not a readable"),
     (["--rdzv-backend", "etcd", "--rdzv-endpoint", "h1", "--rdzv-conf", "cert=/etc/hostname"], "both cert= and key="),
-    (["--rdzv-backend", "etcd", "--rdzv-endpoint", "h1", "-H", "localhost"], "with --hostfile is not supported"),
 ])
 def test_each_bad_etcd_flag_is_one_line_and_exit_2(flags, words, capsys, tmp_path):
     script = tmp_path / "train.py"
