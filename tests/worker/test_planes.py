@@ -64,7 +64,11 @@ def test_recovery_with_a_data_group_that_rejects_cpu_tensors_uses_only_the_contr
             commits.setdefault(int(step), {})[int(uid)] = (loss, total)
     assert sorted(commits) == list(range(steps)), why
     for step, by_uid in commits.items():
-        assert set(by_uid) == ({0, 1, 2, 3} if step < 5 else {0, 1, 3, 4}), f"step {step}\n{why}"
+        members = {0, 1, 2, 3} if step < 5 else {0, 1, 3, 4}
+        if step == 4:  # the step in flight at the kill: a rank whose last message from uid 2 never came aborted it
+            assert 2 in by_uid and set(by_uid) <= members, f"step {step}\n{why}"  # and took it from a peer
+        else:
+            assert set(by_uid) == members, f"step {step}\n{why}"
         assert len(set(by_uid.values())) == 1, f"ranks disagree at step {step}: {by_uid}\n{why}"
 
 

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 import psutil
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
@@ -34,6 +35,8 @@ UID = int(os.environ.get("FTRUN_UID", os.environ.get("RANK", "0")))
 FIRST_ATTEMPT = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 FAULTS = [f.split(":") for f in os.environ.get("FAULTS", "").split(",") if f] if FIRST_ATTEMPT else []
 EXAMPLE = importlib.import_module(os.environ.get("EXAMPLE") or "train_ddp")
+SHARDED = EXAMPLE.__name__ == "train_fsdp"
+JOINER = os.environ.get("FTRUN_JOINER") == "1"
 
 
 def build(args, ft: ftrun.Session) -> train_ddp.Training:
@@ -89,11 +92,18 @@ def plant(kind: str, step: int, uid: int, training: train_ddp.Training) -> None:
 
 def plant_due(step: int, planted: set[int], training: train_ddp.Training) -> None:
     """Plant the faults due at ``step`` that ``planted`` (their indices in FAULTS) does not hold yet, and add
-    them to it: each fault once, so a step replayed after a recovery does not plant it again."""
-    for index, (kind, at, uid) in enumerate(FAULTS):
-        if index not in planted and (int(at) == step or kind == "recovery"):
-            planted.add(index)
-            plant(kind, int(at), int(uid), training)
+    them to it: each fault once, so a step replayed after a recovery does not plant it again.
+
+    With sharded state, every rank that started with the job first waits at a barrier for a kill due now: each
+    has waited for its copy of the last committed step, so the kill lands after the copies' window, on every
+    rank alike (a kill inside it, which replays a step, is the refresh fault's drill)."""
+    due = [(index, kind, at, uid) for index, (kind, at, uid) in enumerate(FAULTS)
+           if index not in planted and (int(at) == step or kind == "recovery")]
+    if SHARDED and not JOINER and any(kind == "kill" and int(at) == step for _, kind, at, _ in due):
+        dist.barrier()
+    for index, kind, at, uid in due:
+        planted.add(index)
+        plant(kind, int(at), int(uid), training)
 
 
 def main() -> None:
