@@ -22,7 +22,7 @@ import psutil
 
 from ftrun import events, protocol, registry
 from ftrun.agent import metrics
-from ftrun.agent.decisions import RecoveryOptions, rescue_source, why_no_restart_here
+from ftrun.agent.decisions import RecoveryOptions, rescue_source
 from ftrun.agent.drills import Drills
 from ftrun.agent.failures import AttemptResult, WorkerFailure, describe_failure, format_report
 from ftrun.agent.failover import (elect, follow_elected, serve_group_store, start_leading,
@@ -33,6 +33,7 @@ from ftrun.agent.leader import Leader, LeaderSetup
 from ftrun.agent.node_links import NodeLinks, start_links
 from ftrun.agent.nodes import RemoteNodes, Takeover
 from ftrun.agent.pool import CHANNEL, EXIT, OUTPUT, WorkerPool
+from ftrun.agent.restarts import GroupRestarts
 from ftrun.agent.ports import Coordination, WorkerHandle
 from ftrun.agent.shutdown import OnSignal, on_signal, schedule
 from ftrun.agent.status_record import RunInfo, StatusPublisher
@@ -92,6 +93,7 @@ class Agent:
         self.links: NodeLinks | None = None  # mailbox, outbox and leases, once the store answers
         self.gpu_health = GpuHealth(self.log, console, self.pool, self.end_attempt, config.xid_table,
                                     local_ranks=config.nproc_per_node + config.recovery.spares)
+        self.restarts = GroupRestarts(config, self.gpu_health, console)
         self.status = StatusPublisher(RunInfo(self.run_name, config.run_id, str(self.run_dir), config.node_rank,
                                               config.min_nodes, config.world_size), self.pool, self.log,
                                       self.gpu_health.gpu_status)
@@ -194,7 +196,8 @@ class Agent:
                            signal=result.signal, reason=result.reason,
                            last_step=max(self.coordination.last_step.values(), default=None))
             self.rescued = self.rescued or self.coordination.saved_step >= 0
-            if self.leader and self._restarts(result):
+            if self.leader and self.restarts.leader_restarts(result, self.restart_count, self.fenced,
+                                                             self.coordination):
                 self.restart_count += 1
                 self.restarted_after = min((f.when for f in result.failures), default=time.time())
                 self.group_store.clear_worker_keys()  # the new group must not read the old one's addresses
@@ -213,7 +216,9 @@ class Agent:
                 self.log.write(events.END, outcome="interrupted", signal=result.signal)
                 return EXIT_SIGNAL_BASE + result.signal
             if not self.leader:
-                if self._told_to_restart(result):
+                attempt = self.restarts.follower_restart(result, self.coordination)
+                if attempt is not None:
+                    self.restart_count = attempt
                     continue
                 self.console.notice(f"ftrun: node {self.config.node_rank}: {result.reason}", style="bold red")
                 self.log.write(events.END, outcome="failed", reason=result.reason)
@@ -222,38 +227,6 @@ class Agent:
             self.log.write(events.END, outcome="failed", reason=result.reason)
             self._summarise()
             return EXIT_WORKERS_FAILED
-
-    def _restarts(self, result: AttemptResult) -> bool:
-        """Whether the leader restarts the group after this attempt (within --max-restarts, on every node);
-        a refusal is added to the attempt's reason."""
-        if result.succeeded or result.signal is not None or self.restart_count >= self.config.max_restarts:
-            return False
-        refused = ("this node was fenced: the other nodes go on without it" if self.fenced else None) \
-            or self._why_no_restart_here() or result.why_no_restart() or self.coordination.why_no_restart()
-        if refused is not None:
-            result.reason = f"{result.reason}; no group restart: {refused}"
-        return refused is None
-
-    def _told_to_restart(self, result: AttemptResult) -> bool:
-        """A follower the leader told to restart the group: whether it starts that attempt (the reason says
-        why not when it cannot)."""
-        attempt = self.coordination.restart_to
-        if attempt is None:
-            return False
-        refused = self._why_no_restart_here()
-        if refused is not None:
-            result.reason = f"the leader restarts the group, but this node cannot: {refused}"
-            return False
-        self.restart_count = attempt
-        self.console.notice(f"ftrun: node {self.config.node_rank}: the leader restarts the group (restart "
-                            f"{attempt} of {self.config.max_restarts})", style="bold yellow")
-        return True
-
-    def _why_no_restart_here(self) -> str | None:
-        """Why this node cannot take part in a group restart (GPU evictions), or None."""
-        nproc, health = self.config.nproc_per_node, self.gpu_health
-        return why_no_restart_here(health.node_evicted, len(health.usable_ranks(nproc)), nproc,
-                                   self.config.recovery.min_nproc, self.config.multinode)
 
     def _summarise(self) -> None:
         """The leader's last line: steps, faults, recoveries, time lost, goodput."""
