@@ -124,7 +124,8 @@ class NodeLeases:
         self.next_check = now
 
     def expired(self, now: float) -> list[tuple[int, float]]:
-        """Nodes whose lease expired since the last call, with how many seconds ago each renewed last."""
+        """Nodes whose lease expired since the last call, with how many seconds ago each renewed last (at least
+        the timeout)."""
         if now < self.next_check:
             return []
         self.next_check = now + self.look_every  # the leader: one look per renewal period
@@ -136,7 +137,8 @@ class NodeLeases:
             if current is not None and (current > count or (native and current == count)):
                 self.seen[node] = (current, now)
             elif (native and count and current is None) or now - when > self.timeout:
-                lost.append((node, now - when))
+                # an ended etcd lease was last kept alive at least its TTL ago, however recently it was seen held
+                lost.append((node, max(now - when, self.timeout)))
         for node, _ in lost:
             self.forget(node)
         return lost
