@@ -186,6 +186,7 @@ class LaunchConfig:
     store_listen: str = "127.0.0.1"  # the address the store listens on, where this process hosts it
     secret: str = field(default_factory=new_secret, repr=False)  # the run's: signs every value in the store
     node_timeout: float = 10.0  # a node whose lease is older than this is lost; an agent that cannot renew fences
+    node_start_timeout: float = 60.0  # --rdzv-conf join_timeout: seconds a node has to first renew its lease
     metrics_port: int | None = None  # --metrics-port: every agent serves Prometheus metrics on it
     fork_server: bool = True  # later workers are forked from a process that has imported torch (--no-fork-server)
     run_name: str | None = None  # the run directory's name, shared by every node of a multi-node job
@@ -331,7 +332,8 @@ def build_config(
     if not 0 < monitor_interval < math.inf:
         raise UsageError(f"--monitor-interval must be a positive number of seconds, not {monitor_interval}")
     shutdown_timeout = _shutdown_timeout(shutdown_timeout)
-    bind = parse_rdzv_conf(rdzv_conf).get("bind")
+    conf = parse_rdzv_conf(rdzv_conf)
+    bind, node_start_timeout = conf.get("bind"), _join_timeout(conf)
     if master_port is not None and not 0 <= master_port <= 65535:
         raise UsageError(f"--master-port {master_port}: a port is between 1 and 65535 (0: pick a free one)")
     nproc = resolve_nproc(nproc_per_node)
@@ -427,6 +429,7 @@ def build_config(
         store_listen=store_listen,
         secret=_secret(scheduled=max_nodes > 1 and hosts is None),
         node_timeout=node_timeout,
+        node_start_timeout=node_start_timeout,
         metrics_port=metrics_port,
         fork_server=fork_server,
         hosts=hosts,
@@ -464,8 +467,9 @@ def _etcd(endpoints: str, rdzv_id: str, rdzv_conf: str, *, multinode: bool) -> E
 
 def parse_rdzv_conf(text: str) -> dict[str, str]:
     """--rdzv-conf ``KEY=VALUE,...``. ftrun reads ``bind``: the address the store listens on, given as an IP
-    address (``0.0.0.0`` or ``::`` for every interface), and with etcd the keys of
-    :data:`ftrun.store.etcd.CONF_KEYS`; torchrun's other keys are accepted and unused."""
+    address (``0.0.0.0`` or ``::`` for every interface), ``join_timeout`` (torchrun's: the seconds the nodes
+    the job starts with have to arrive, :func:`_join_timeout`), and with etcd the keys of :data:`ftrun.store.etcd.CONF_KEYS`;
+    torchrun's other keys are accepted and unused."""
     conf = {}
     for item in filter(None, text.split(",")):
         key, equals, value = item.partition("=")
@@ -480,6 +484,20 @@ def parse_rdzv_conf(text: str) -> dict[str, str]:
             raise UsageError(f"--rdzv-conf bind={bind}: give an IP address of this machine, or 0.0.0.0 (or ::) "
                              "to listen on every interface") from None
     return conf
+
+
+def _join_timeout(conf: dict[str, str]) -> float:
+    """--rdzv-conf join_timeout (torchrun's key): the seconds the nodes the job starts with have to arrive."""
+    text = conf.get("join_timeout")
+    if text is None:
+        return LaunchConfig.node_start_timeout
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds < math.inf:
+        raise UsageError(f"--rdzv-conf join_timeout={text[:20]}: give the seconds the nodes have to arrive")
+    return seconds
 
 
 def _shutdown_timeout(seconds: float | None) -> float:

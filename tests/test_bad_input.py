@@ -48,6 +48,9 @@ def policy(name: str, content: bytes):
     (["--shutdown-timeout", "nan"], "--shutdown-timeout must be 0 or more seconds, not nan"),
     (["--rdzv-conf", "bind=somewhere"], "--rdzv-conf bind=somewhere: give an IP address of this machine"),
     (["--rdzv-conf", "=1"], "--rdzv-conf '=1' is not valid"),
+    (["--rdzv-conf", "join_timeout=soon"], "--rdzv-conf join_timeout=soon: give the seconds the nodes have to arrive"),
+    (["--rdzv-conf", "join_timeout=-5"], "--rdzv-conf join_timeout=-5: give the seconds"),
+    (["--rdzv-conf", "join_timeout=inf"], "--rdzv-conf join_timeout=inf: give the seconds"),
 ])
 def test_bad_launch_flags_are_one_line_and_exit_2(run_ftrun, tmp_path, args, message):
     args = [arg(tmp_path) if callable(arg) else arg for arg in args]

@@ -239,7 +239,9 @@ class Leader:
                 self.log.write(events.RESCUE, saved=self.rescue.saved, best_step=best,
                                missing=sorted(self.rescue.waiting), errors=self.rescue.errors, why="restart")
             return reason
-        self.notices.progress(waiting_for(self.members, self.options, self.recovery, self.rescue, self._warming(), now))
+        self.notices.progress(waiting_for(self.members, self.options, self.recovery, self.rescue, self._warming(), now)
+                              or (self.nodes.waiting() if self.nodes is not None and not self.control.stopping()
+                                  else None))
         if self.recovery is None:
             stuck = self.watchdog.check([uid for uid in self.plan.members
                                          if uid not in self.members.finished and self.local.get(uid) is not None])

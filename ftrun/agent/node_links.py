@@ -47,7 +47,8 @@ def start_links(config: LaunchConfig, leader: bool, store: JobStore, access: Sto
     mail.start()
     node_leases = lease = leader_lease = None
     if config.multinode and leader:
-        node_leases = NodeLeases(store, list(range(1, config.min_nodes)), config.node_timeout, time.monotonic())
+        node_leases = NodeLeases(store, list(range(1, config.min_nodes)), config.node_timeout, time.monotonic(),
+                                 start_grace=config.node_start_timeout)
     if config.multinode and (not leader or config.etcd is not None):
         # a renewal that hangs gives up in time to retry before the lease would fence this node; node 0
         # renews one too where the store outlives it (etcd), and the followers watch it there
@@ -56,5 +57,6 @@ def start_links(config: LaunchConfig, leader: bool, store: JobStore, access: Sto
         lease.start()
     if config.multinode and not leader and config.etcd is not None:
         leader_lease = NodeLeases(store, [0], config.node_timeout, time.monotonic(), evicts=False,
-                                  looks_per_timeout=2)  # two requests a look: 0.4 a second at 10 s
+                                  looks_per_timeout=2,  # two requests a look: 0.4 a second at 10 s
+                                  start_grace=config.node_start_timeout)
     return NodeLinks(mail, Outbox(store, keys.node_box(config.node_rank)), node_leases, lease, leader_lease)

@@ -120,14 +120,16 @@ class RemoteNodes:
         if takeover is not None and (not takeover.awaiting or now >= takeover.deadline):
             self.takeover = None
             self.node_lost(takeover.lost, takeover.why, takeover.since)
-        if self.starting is not None and not self.control.stopping():
-            self._await_start()
         try:
             expired = self.leases.expired(now)
         except RuntimeError:
             return
         for node, ago in expired:
-            self.node_lost(node, f"its lease expired (no renewal for {self.leases.timeout:g} s)", time.time() - ago)
+            never = self.starting is not None and node in self.starting and not any(
+                node_of(uid) == node for uid in self.remote)
+            why = (f"it did not start within {self.leases.start_grace:g} s (--rdzv-conf join_timeout)" if never
+                   else f"its lease expired (no renewal for {self.leases.timeout:g} s)")
+            self.node_lost(node, why, time.time() - ago)
 
     def on_mail(self, message: dict[str, Any]) -> None:
         """A follower's news of its workers (or the hostfile launcher's news of a follower's end)."""
@@ -169,17 +171,19 @@ class RemoteNodes:
             elif not self.control.stopping():
                 self.control.workers_failed([(worker, WorkerFailure(**message["failure"]))])
 
-    def _await_start(self) -> None:
-        """Say which of the nodes the job starts with (--nnodes, or MIN of MIN:MAX) it still waits for; each has
-        NodeLeases.START_GRACE to renew its lease for the first time, or it is lost."""
+    def waiting(self) -> str | None:
+        """Which of the nodes the job starts with (--nnodes, or MIN of MIN:MAX) it still waits for, or None;
+        each has the leases' start grace (--rdzv-conf join_timeout) to renew its lease for the first time, or it
+        is lost."""
+        if self.starting is None:
+            return None
         missing = sorted(self.starting - {node_of(uid) for uid in self.remote} - set(self.lost))
-        if missing:
-            self.notices.progress(f"waiting for node{'s' * (len(missing) > 1)} {', '.join(map(str, missing))} to "
-                                  f"start its workers ({self.first_late - len(missing)} of {self.first_late} nodes "
-                                  f"here): up to {self.leases.START_GRACE:.0f} s")
-        else:
-            self.notices.progress(None)
+        if not missing:
             self.starting = None
+            return None
+        return (f"waiting for node{'s' * (len(missing) > 1)} {', '.join(map(str, missing))} to start "
+                f"{'their' if len(missing) > 1 else 'its'} workers ({self.first_late - len(missing)} of "
+                f"{self.first_late} nodes here): up to {self.leases.start_grace:g} s")
 
     def _admit(self, node: int) -> None:
         """A late node's first worker started: watch its lease, and grow the generation by its workers (they

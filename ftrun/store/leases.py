@@ -21,6 +21,9 @@ from collections.abc import Callable
 
 from ftrun.store.job import JobStore
 
+START_GRACE = 60.0
+"""Seconds a node has to renew for the first time (its agent may still be starting over ssh), unless
+``--rdzv-conf join_timeout`` says."""
 RENEWALS_PER_TIMEOUT = 5
 """A follower renews this many times per ``--node-timeout``."""
 EVICTION_CHECK_EVERY = 2
@@ -111,16 +114,15 @@ class NodeLeases:
     """Which nodes stopped renewing their leases: the leader's view of the followers (and, with etcd, a
     follower's view of the leader)."""
 
-    START_GRACE = 60.0
-    """Seconds a node has to renew for the first time (its agent may still be starting over ssh)."""
 
     def __init__(self, store: JobStore, nodes: list[int], timeout: float, now: float, evicts: bool = True,
-                 looks_per_timeout: int = RENEWALS_PER_TIMEOUT) -> None:
+                 looks_per_timeout: int = RENEWALS_PER_TIMEOUT, start_grace: float = START_GRACE) -> None:
         self.store = store
         self.evicts = evicts  # the leader marks a lost node evicted; a follower watching the leader does not
         self.look_every = timeout / looks_per_timeout
         self.timeout = timeout
-        self.seen: dict[int, tuple[int, float]] = {n: (0, now + self.START_GRACE - timeout) for n in nodes}
+        self.start_grace = start_grace
+        self.seen: dict[int, tuple[int, float]] = {n: (0, now + start_grace - timeout) for n in nodes}
         self.next_check = now
 
     def expired(self, now: float) -> list[tuple[int, float]]:

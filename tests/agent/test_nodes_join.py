@@ -108,3 +108,19 @@ def test_a_third_node_joins_a_running_job_and_its_workers_take_their_state_from_
                 assert c.world == (6 if c.step >= resumed else 4), f"{c}\n{why}"
                 expected = held_baseline[c.step] if c.world == 4 else pytest.approx(held_baseline[c.step], rel=RTOL)
                 assert c.loss == expected, f"{c}\n{why}"
+
+
+def test_the_job_waits_for_its_first_nodes_up_to_the_join_timeout_and_says_so(launcher_env, workload, free_port,
+                                                                              secret_file, tmp_path):
+    # node 1 of --nnodes 2:3 never comes: node 0 says it waits, then ends with one line naming torchrun's key
+    result = subprocess.run([*FTRUN, "--nnodes", "2:3", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+                             "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-conf", "join_timeout=3",
+                             "--log-dir", str(tmp_path), workload("held_train.py"), *TRAINING],
+                            env={**launcher_env, "FTRUN_SECRET_FILE": secret_file}, capture_output=True, text=True,
+                            timeout=TIMEOUT)
+    lines = result.stderr.splitlines()
+    assert result.returncode == 1, result.stderr
+    assert lines.count("ftrun: waiting for node 1 to start its workers (1 of 2 nodes here): up to 3 s") == 1, \
+        result.stderr
+    assert any(line.endswith("failed: node 1 was lost before its workers started: it did not start within 3 s "
+                             "(--rdzv-conf join_timeout)") for line in lines), result.stderr

@@ -19,7 +19,7 @@ from ftrun.store import keys
 from ftrun.store.auth import Seal, new_secret
 from ftrun.store.client import STORE_START_WAIT, connect, open_client, parse_endpoint
 from ftrun.store.job import JobStore, MalformedValue
-from ftrun.store.leases import FENCE_FRACTION, LeaseKeeper, NodeLeases
+from ftrun.store.leases import FENCE_FRACTION, START_GRACE, LeaseKeeper, NodeLeases
 from ftrun.store.mailbox import MailReader, Outbox
 from ftrun.store.wire import StoreClient
 
@@ -267,11 +267,11 @@ def test_leases_expire_by_the_clock_given_and_an_evicted_node_learns_it(served):
     leases = NodeLeases(store, [1, 2], timeout=10.0, now=0.0)
     assert leases.expired(0.0) == []
     store.renew_lease(1, 1)
-    assert leases.expired(NodeLeases.START_GRACE - 5) == []  # both within the start grace; node 1 seen renewing
-    lost = leases.expired(NodeLeases.START_GRACE + 1)
-    assert lost == [(2, NodeLeases.START_GRACE + 1 - (NodeLeases.START_GRACE - 10))]
+    assert leases.expired(START_GRACE - 5) == []  # both within the start grace; node 1 seen renewing
+    lost = leases.expired(START_GRACE + 1)
+    assert lost == [(2, START_GRACE + 1 - (START_GRACE - 10))]
     assert store.is_evicted(2) and not store.is_evicted(1)
-    assert [node for node, _ in leases.expired(NodeLeases.START_GRACE + 16)] == [1]  # no renewal since -5
+    assert [node for node, _ in leases.expired(START_GRACE + 16)] == [1]  # no renewal since -5
 
 
 @pytest.mark.fast
