@@ -88,8 +88,9 @@ class RemoteNodes:
         # --nnodes MIN:MAX: nodes from rank MIN on join the running job, each with this many training workers
         self.first_late, self.late_nproc = late if late is not None else (nnodes, 0)
         self.joined: set[int] = set()  # such nodes that joined in this attempt
-        # the nodes the job starts with whose workers have yet to start (a progress line says so meanwhile)
-        self.starting: set[int] | None = set(range(self.first_late)) - {node_rank}
+        # the nodes the job starts with whose workers have yet to start (a progress line says so meanwhile); a
+        # leader elected after node 0 takes over a running job
+        self.starting: set[int] | None = set(range(1, self.first_late)) if node_rank == 0 else None
         self.attempt = attempt
         self.log = log
         self.notices = notices
