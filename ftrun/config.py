@@ -468,8 +468,8 @@ def _etcd(endpoints: str, rdzv_id: str, rdzv_conf: str, *, multinode: bool) -> E
 def parse_rdzv_conf(text: str) -> dict[str, str]:
     """--rdzv-conf ``KEY=VALUE,...``. ftrun reads ``bind``: the address the store listens on, given as an IP
     address (``0.0.0.0`` or ``::`` for every interface), ``join_timeout`` (torchrun's: the seconds the nodes
-    the job starts with have to arrive, :func:`_join_timeout`), and with etcd the keys of :data:`ftrun.store.etcd.CONF_KEYS`;
-    torchrun's other keys are accepted and unused."""
+    the job starts with have to arrive, :func:`_join_timeout`), and with etcd the keys of
+    :data:`ftrun.store.etcd.CONF_KEYS`; torchrun's other keys are accepted and unused."""
     conf = {}
     for item in filter(None, text.split(",")):
         key, equals, value = item.partition("=")
