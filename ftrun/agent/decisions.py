@@ -33,11 +33,6 @@ class Membership:
     left_loop: set[int] = field(default_factory=set)  # finished their step loop: the training is complete
     last_step: dict[int, int] = field(default_factory=dict)  # last committed step, per worker
 
-    @property
-    def committed(self) -> int:
-        """The highest step any worker committed (-1 before the first)."""
-        return max(self.last_step.values(), default=-1)
-
 
 @dataclass(frozen=True)
 class RecoveryOptions:
@@ -58,13 +53,22 @@ class Recovery:
     started: float  # wall clock: when the fault happened, as far as is known (latencies are measured from it)
     noticed: float  # wall clock: when ftrun learned of it (later than ``started`` for a lost node)
     before: Plan  # the generation the fault hit: lost ranks are named by their rank in it
-    committed_before: int
+    last_steps: dict[int, int]  # the last step each worker had committed when it began, by uid
     lost_ranks: list[int] = field(default_factory=list)
     lost_uids: list[int] = field(default_factory=list)
     plan_sent: float = 0.0  # wall clock
     gen: int = -1  # the generation planned for it (none yet: a step committed in the one the fault hit ends nothing)
     reports: dict[int, dict[str, Any]] = field(default_factory=dict)  # uid -> its ``recovered`` message
     waiting_since: float | None = None  # monotonic: below --min-nproc, waiting for joiners since
+
+    @property
+    def committed_before(self) -> int:
+        """The highest step a surviving worker had committed when the recovery began (-1 before the first).
+
+        A step that only a lost worker reached was in flight, not lost: a rank can finish a step's
+        collectives and die before its last sends reach the others, and its state leaves with it.
+        """
+        return max((step for uid, step in self.last_steps.items() if uid not in self.lost_uids), default=-1)
 
 
 @dataclass

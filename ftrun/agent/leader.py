@@ -208,7 +208,7 @@ class Leader:
             return True
         if self.recovery is None:
             first = min(failure.when for _, failure in failures.values())
-            self.recovery = Recovery("fault", time.monotonic(), first, time.time(), before, m.committed)
+            self.recovery = Recovery("fault", time.monotonic(), first, time.time(), before, dict(m.last_step))
         for uid, rank in zip(lost, ranks):
             worker, failure = failures[uid]
             self.recovery.lost_ranks.append(rank)
@@ -317,7 +317,8 @@ class Leader:
             self.reforms += 1
             if self.recovery is None:  # timed from the first sign of trouble (a report, or the stall seen)
                 began = time.time() - (time.monotonic() - trouble.since)
-                self.recovery = Recovery("link", time.monotonic(), began, began, self.plan, self.members.committed)
+                self.recovery = Recovery("link", time.monotonic(), began, began, self.plan,
+                                         dict(self.members.last_step))
             self._issue(decision.plan)
 
     def _announce(self, failures: list[WorkerFailure], ranks: list[int], decision: Decision) -> None:
@@ -375,7 +376,7 @@ class Leader:
             return
         if self.recovery is None:
             self.recovery = Recovery("join", time.monotonic(), time.time(), time.time(), self.plan,
-                                     self.members.committed)
+                                     dict(self.members.last_step))
         if decision.act is Act.NEW_PLAN:
             self.recovery.waiting_since = None
             self._issue(decision.plan)

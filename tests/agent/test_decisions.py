@@ -11,7 +11,7 @@ from ftrun.agent.decisions import (Act, LinkTrouble, MAX_REFORMS, Membership, RE
                                    decide_link_fault, links_to_cut, lost_ranks, next_plan, recovery_summary,
                                    rescue_outcome, split_lost, succeeded, waiting_for, why_no_restart_here,
                                    why_not_in_place)
-from ftrun.protocol import Plan
+from ftrun.protocol import RECOVERY_PHASES, Plan
 
 pytestmark = pytest.mark.fast
 
@@ -193,7 +193,7 @@ def test_joiners_below_min_nproc_wait_for_more():
 
 # --------------------------------------------------------------------------------------- deadlines
 def test_a_recovery_is_given_up_only_after_its_timeout_on_the_clock_given():
-    recovery = Recovery("fault", began=100.0, started=0.0, noticed=0.0, before=Plan(0, [0, 1]), committed_before=3)
+    recovery = Recovery("fault", began=100.0, started=0.0, noticed=0.0, before=Plan(0, [0, 1]), last_steps={0: 3, 1: 3})
     options = RecoveryOptions(recovery_timeout=30.0)
     assert decide_deadline(recovery, options, 130.0).act is Act.NONE
     late = decide_deadline(recovery, options, 130.5)
@@ -234,7 +234,7 @@ def test_success_counts_members_that_trained_not_a_joiner_placed_at_the_end():
 
 def test_a_recovery_summary_times_each_phase_and_counts_no_lost_step():
     recovery = Recovery("fault", 0.0, started=100.0, noticed=100.01, before=Plan(0, [0, 1, 2, 3]),
-                        committed_before=7, lost_ranks=[2], lost_uids=[2], plan_sent=100.02, gen=1)
+                        last_steps={0: 7, 1: 7, 2: 7, 3: 7}, lost_ranks=[2], lost_uids=[2], plan_sent=100.02, gen=1)
     timings = {"abort": 0.001, "rendezvous": 0.02, "agree": 0.005, "transfer": 0.0}
     recovery.reports = {uid: {"step": 7, "timings": timings, "plan_received": 100.021} for uid in (0, 1, 3)}
     summary = recovery_summary(recovery, {"time": 100.1, "step": 8}, world_after=3)
@@ -245,6 +245,17 @@ def test_a_recovery_summary_times_each_phase_and_counts_no_lost_step():
     behind = {**recovery.reports[0], "step": 5}
     recovery.reports[0] = behind  # a survivor that resumed two steps behind the committed one
     assert recovery_summary(recovery, {"time": 100.1, "step": 6}, world_after=3)["steps_lost"] == 2  # 6 and 7 again
+
+
+def test_a_step_only_the_lost_worker_committed_was_in_flight_and_is_not_counted_lost():
+    recovery = Recovery("fault", 0.0, started=100.0, noticed=100.01, before=Plan(0, [0, 1, 2, 3]),
+                        last_steps={0: 7, 1: 7, 2: 8, 3: 7}, lost_ranks=[2], lost_uids=[2], gen=1)
+    recovery.reports = {uid: {"step": 7, "timings": dict.fromkeys(RECOVERY_PHASES, 0.0), "plan_received": 100.0}
+                        for uid in (0, 1, 3)}
+    assert recovery.committed_before == 7  # uid 2's step 8 never reached a survivor: it left with uid 2
+    assert recovery_summary(recovery, {"time": 100.1, "step": 8}, world_after=3)["steps_lost"] == 0
+    recovery.last_steps[3] = 8  # a survivor that held step 8 and resumed at 7 would have lost one
+    assert recovery_summary(recovery, {"time": 100.1, "step": 8}, world_after=3)["steps_lost"] == 1
 
 
 # --------------------------------------------------------------------------------------- progress
@@ -293,7 +304,7 @@ def test_a_reported_failure_re_forms_the_same_members_once_no_death_explains_it(
 def test_failures_while_waiting_for_joiners_are_the_lost_members_doing_not_a_link():
     m = members()
     trouble = LinkTrouble(gen=0, since=10.0, reasons=["rank 1, step: Connection reset by peer"])
-    waiting = Recovery("fault", began=9.0, started=0.0, noticed=0.0, before=m.plan, committed_before=4,
+    waiting = Recovery("fault", began=9.0, started=0.0, noticed=0.0, before=m.plan, last_steps={0: 4},
                        waiting_since=9.5)
     assert decide_link_fault(m, trouble, {0}, reforms=0, now=60.0, recovery=waiting).act is Act.NONE
     waiting.waiting_since = None  # its plan is out: a failure in the new generation is judged again
