@@ -19,7 +19,6 @@ import json
 import os
 import re
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -54,10 +53,8 @@ def logged(what: str) -> bool:
     return False
 
 
-def wait_for(what: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not logged(what) and time.monotonic() < deadline:
-        time.sleep(0.02)  # polling a condition; the order comes from the log, not from the delay
+def wait_for(what: str) -> None:
+    faulty_train.wait_until(lambda: logged(what))
 
 
 def main() -> None:
@@ -76,7 +73,7 @@ def main() -> None:
                 waited.add(step)
                 (EVENTS.parent / f"at_{step}.{UID}").touch()
                 wait_for(what)
-        faulty_train.plant_due(step, planted, training)
+        faulty_train.plant_due(step, planted, training, ft)
         loss = EXAMPLE.train_step(ft, training, step)
         if loss is not None:
             print(f"commit uid={UID} rank={ft.rank} world={ft.world_size} step={step} loss={loss:.12g}", flush=True)

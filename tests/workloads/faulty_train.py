@@ -20,6 +20,8 @@ import os
 import signal
 import socket
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -37,6 +39,14 @@ FAULTS = [f.split(":") for f in os.environ.get("FAULTS", "").split(",") if f] if
 EXAMPLE = importlib.import_module(os.environ.get("EXAMPLE") or "train_ddp")
 SHARDED = EXAMPLE.__name__ == "train_fsdp"
 JOINER = os.environ.get("FTRUN_JOINER") == "1"
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 120.0) -> None:
+    """Poll ``condition`` until it holds or ``timeout`` seconds pass (then carry on: the test fails on what it
+    checks, instead of hanging)."""
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)  # polling a condition; the order comes from the condition, not from the delay
 
 
 def build(args, ft: ftrun.Session) -> train_ddp.Training:
@@ -90,17 +100,23 @@ def plant(kind: str, step: int, uid: int, training: train_ddp.Training) -> None:
             self, at, *rest)
 
 
-def plant_due(step: int, planted: set[int], training: train_ddp.Training) -> None:
+def plant_due(step: int, planted: set[int], training: train_ddp.Training, ft: ftrun.Session) -> None:
     """Plant the faults due at ``step`` that ``planted`` (their indices in FAULTS) does not hold yet, and add
     them to it: each fault once, so a step replayed after a recovery does not plant it again.
 
     With sharded state, every rank that started with the job first waits at a barrier for a kill due now: each
     has waited for its copy of the last committed step, so the kill lands after the copies' window, on every
-    rank alike (a kill inside it, which replays a step, is the refresh fault's drill)."""
+    rank alike (a kill inside it, which replays a step, is the refresh fault's drill). A rank that leaves the
+    barrier may still owe another its last message, so each counts itself out in the job's store, and a rank
+    about to be killed waits for all of them: the kill hits the training, never the barrier."""
     due = [(index, kind, at, uid) for index, (kind, at, uid) in enumerate(FAULTS)
            if index not in planted and (int(at) == step or kind == "recovery")]
     if SHARDED and not JOINER and any(kind == "kill" and int(at) == step for _, kind, at, _ in due):
         dist.barrier()
+        out = f"test/past_barrier/{step}"
+        ft.store.add(out, 1)
+        if any(kind == "kill" and int(uid) == UID for _, kind, _, uid in due):
+            wait_until(lambda: ft.store.add(out, 0) >= dist.get_world_size())
     for index, kind, at, uid in due:
         planted.add(index)
         plant(kind, int(at), int(uid), training)
@@ -112,7 +128,7 @@ def main() -> None:
     training = build(args, ft)
     planted: set[int] = set()
     for step in ft.steps(args.steps):
-        plant_due(step, planted, training)
+        plant_due(step, planted, training, ft)
         loss = EXAMPLE.train_step(ft, training, step)
         if loss is not None:
             print(f"commit uid={UID} rank={ft.rank} world={ft.world_size} step={step} loss={loss:.12g}", flush=True)
