@@ -173,8 +173,14 @@ class Redundancy:
         own.step, own.skeleton = step, skeleton
         buddy = min(self.buddy, key=lambda slot: slot.step)
         buddy.step = INVALID  # being overwritten: the other slot is the complete one
-        self._thread = threading.Thread(target=self._exchange, args=(step, own, buddy, control),
-                                        name="ftrun-refresh", daemon=True)
+        right, left = (self.index + self.stride) % self.world, (self.index - self.stride) % self.world
+        try:  # issued here, not on the thread: a thread late to start would issue on a generation since aborted
+            works = [self._issue(lambda: control.recv([buddy.buffer], left, 0)),
+                     self._issue(lambda: control.send([own.buffer], right, 0))]
+        except Exception:  # noqa: BLE001 -- a newer plan came or a peer is gone: no copy; recovery follows
+            return
+        self._thread = threading.Thread(target=self._exchange, args=(step, buddy, works), name="ftrun-refresh",
+                                        daemon=True)
         self._thread.start()
 
     def copied(self, step: int) -> bool:
@@ -188,12 +194,10 @@ class Redundancy:
             if not self._thread.is_alive():
                 self._thread = None
 
-    def _exchange(self, step: int, own: Slot, buddy: Slot, control: dist.ProcessGroup) -> None:
-        """On the refresh thread: send our snapshot to the buddy, receive the giver's; mark it complete."""
-        right, left = (self.index + self.stride) % self.world, (self.index - self.stride) % self.world
+    def _exchange(self, step: int, buddy: Slot, works: list[dist.Work]) -> None:
+        """On the refresh thread: wait for our snapshot's send to the buddy and the giver's into ``buddy``;
+        mark it complete (an aborted generation fails both at once)."""
         try:
-            works = [self._issue(lambda: control.recv([buddy.buffer], left, 0)),
-                     self._issue(lambda: control.send([own.buffer], right, 0))]
             for work in works:
                 work.wait()
         except Exception:  # noqa: BLE001 -- any failure leaves the slot incomplete; recovery follows

@@ -176,8 +176,6 @@ class Session:
             self._refresh()
         step = self.committed_step + 1
         while step < total:
-            if self.redundancy is not None:
-                self.redundancy.wait()  # the last committed step is in a peer's memory before the next starts
             if self._needs_recovery():
                 self._recover()
                 step = self.committed_step + 1

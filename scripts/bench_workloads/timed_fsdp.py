@@ -1,8 +1,9 @@
 """examples/train_fsdp.py with the time each rank spends on keeping its shard redundant, printed at exit.
 
-``Redundancy.refresh`` (snapshot the shard, start the copy) and ``Redundancy.wait`` (the next step waits
-for the copy) are the only redundancy work on the step path; both are timed with time.perf_counter() and
-each rank prints ``redundancy rank=<r> steps=<n> ms_per_step=<float>`` when it exits, which the benchmark
+``Redundancy.refresh`` (at a commit: wait for the previous copy if it is still in flight, snapshot the
+shard, start the copy, which then overlaps the next step) and ``Redundancy.wait`` (where the session waits for
+a copy outside a refresh) are the only redundancy work on the step path; both are timed with
+time.perf_counter(), a wait inside a refresh once, and each rank prints ``redundancy rank=<r> steps=<n> ms_per_step=<float>`` when it exits, which the benchmark
 reads next to the wall-clock step time (on a loaded machine the latter varies more than the copy costs).
 """
 
@@ -18,19 +19,22 @@ from pathlib import Path
 from ftrun.worker import redundancy
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_fsdp.py"
-spent = {"seconds": 0.0, "steps": 0}
+spent = {"seconds": 0.0, "steps": 0, "depth": 0}
 
 
 def timed(name: str) -> None:
-    """Wrap a Redundancy method so that the time spent in it is added up."""
+    """Wrap a Redundancy method so that the time spent in it is added up (a timed call inside another once)."""
     original = getattr(redundancy.Redundancy, name)
 
     def run(self, *args, **kwargs):  # noqa: ANN001, ANN202 -- a transparent wrapper
         started = time.perf_counter()
+        spent["depth"] += 1
         try:
             return original(self, *args, **kwargs)
         finally:
-            spent["seconds"] += time.perf_counter() - started
+            spent["depth"] -= 1
+            if not spent["depth"]:
+                spent["seconds"] += time.perf_counter() - started
 
     setattr(redundancy.Redundancy, name, run)
 

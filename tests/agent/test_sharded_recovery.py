@@ -83,18 +83,26 @@ def test_a_rank_and_its_buddy_lost_together_fall_back_to_a_group_restart_in_one_
         assert all(c.loss == fsdp_baseline[c.step] for c in commits), f"uid {uid}\n{why}"  # a fresh run
 
 
-def test_kill_during_a_refresh_returns_to_the_previous_complete_copy_and_replays_one_step(launch, fsdp_baseline):
-    # uid 1 dies in the copy of committed step 5 to its buddy: that copy never completes, so the newest
-    # step every shard is held at is 4; the survivors return to it from their snapshots and replay step 5.
-    run = launch(faults="refresh:5:1", example=FSDP)
+def recovered_from_the_loss_of(run, lost: int) -> dict:  # noqa: ANN001 -- a runs.Run
+    """Assert that the job succeeded with one in-place recovery from the SIGKILL of uid ``lost``, world 4 -> 3,
+    every other worker started once and ending with exit code 0; the recovery event."""
     why = run.explain()
     assert run.returncode == 0 and not run.of("recovery_failed") and not run.of("group_failure"), why
     starts = {e["uid"]: e["pid"] for e in run.of("worker_start")}
     exits = {e["uid"]: (e["pid"], e["exitcode"]) for e in run.of("worker_exit")}
     assert len(run.of("worker_start")) == NPROC, why  # no survivor restarted
-    assert exits == {0: (starts[0], 0), 1: (starts[1], -9), 2: (starts[2], 0), 3: (starts[3], 0)}, why
+    assert exits == {uid: (starts[uid], -9 if uid == lost else 0) for uid in range(NPROC)}, why
     (recovery,) = run.of("recovery")
-    assert (recovery["world_before"], recovery["world_after"], recovery["lost_uids"]) == (4, 3, [1]), why
+    assert (recovery["world_before"], recovery["world_after"], recovery["lost_uids"]) == (4, 3, [lost]), why
+    return recovery
+
+
+def test_kill_during_a_refresh_returns_to_the_previous_complete_copy_and_replays_one_step(launch, fsdp_baseline):
+    # uid 1 dies in the copy of committed step 5 to its buddy: that copy never completes, so the newest
+    # step every shard is held at is 4; the survivors return to it from their snapshots and replay step 5.
+    run = launch(faults="refresh:5:1", example=FSDP)
+    why = run.explain()
+    recovery = recovered_from_the_loss_of(run, 1)
     assert recovery["steps_lost"] == 1 and recovery["resumed_at_step"] == 5, why  # step 5 is replayed
     assert set(recovery["phases"]) == PHASES, why
     assert "recovered from loss of rank 1 in" in run.stderr and "world 4 -> 3, 1 steps lost" in run.stderr, why
@@ -108,6 +116,20 @@ def test_kill_during_a_refresh_returns_to_the_previous_complete_copy_and_replays
                 assert c.loss == fsdp_baseline[c.step], f"{c}\n{why}"  # generation 0: bit for bit
             else:
                 assert c.loss == pytest.approx(fsdp_baseline[c.step], rel=RTOL), f"{c}\n{why}"
+
+
+def test_kill_while_the_last_steps_copies_may_be_in_flight_recovers_at_most_one_step_back(launch, fsdp_baseline):
+    # uid 2 dies at the start of step 5 while the copies of step 4 overlap it (no wait for them first): the
+    # survivors' copies in flight fail with the generation, and whichever copies completed decide the step
+    # they return to, 4 or 3 (step 4 computed again from memory, with the same batches)
+    run = launch(faults="copying:5:2", example=FSDP)
+    why = run.explain()
+    recovery = recovered_from_the_loss_of(run, 2)
+    assert recovery["steps_lost"] in (0, 1) and recovery["resumed_at_step"] == 5 - recovery["steps_lost"], why
+    for uid in (0, 1, 3):
+        steps = [c.step for c in run.commits()[uid]]
+        assert steps == [*range(5), *range(5 - recovery["steps_lost"], STEPS)], f"uid {uid}\n{why}"
+        assert all(c.loss == pytest.approx(fsdp_baseline[c.step], rel=RTOL) for c in run.commits()[uid]), why
 
 
 def test_both_workers_of_a_node_killed_take_their_shards_from_the_other_nodes_memory(

@@ -1,14 +1,16 @@
 """The example's training with faults planted at exact points, for the recovery tests.
 
-FAULTS (environment) is a comma list of KIND:STEP:UID, where UID is the worker's FTRUN_UID (its initial
-rank): kill (SIGKILL itself before the step), exception (raise in the step), allreduce (SIGKILL itself
-inside the gradient all-reduce: after the first bucket's all-reduce has started on every rank),
-recovery (SIGKILL itself while re-forming the group after the first fault; armed from the first step
-whatever STEP says, since the first fault's recovery may begin before this worker reaches STEP), reset
-(shut down every TCP connection between itself and one other worker, both alive: a link reset, no death),
-backward (SIGKILL itself in backward before the first layer's gradients: with FSDP, between the layers'
-reduce-scatters), refresh (SIGKILL itself in the copy of the state of committed step STEP to its buddy:
-sharded state only). Each fault is planted once, in the first attempt only, so a group restart runs clean.
+FAULTS (environment) is a comma list of KIND:STEP:UID, where UID is the worker's FTRUN_UID (its initial rank):
+kill (SIGKILL itself before the step), exception (raise in the step), allreduce (SIGKILL itself inside the
+gradient all-reduce: after the first bucket's all-reduce has started on every rank), recovery (SIGKILL itself
+while re-forming the group after the first fault; armed from the first step whatever STEP says, since the
+first fault's recovery may begin before this worker reaches STEP), reset (shut down every TCP connection
+between itself and one other worker, both alive: a link reset, no death), backward (SIGKILL itself in backward
+before the first layer's gradients: with FSDP, between the layers' reduce-scatters), refresh (SIGKILL itself
+as it starts the copy of the state of committed step STEP to its buddy, once the copy of the step before is
+complete: that one is then the newest; sharded state only), copying (SIGKILL itself before the step, as kill,
+but with sharded state without waiting for the copies of the step before: they may still be in flight). Each
+fault is planted once, in the first attempt only, so a group restart runs clean.
 EXAMPLE (environment) names the example trained: train_ddp (the default) or train_fsdp.
 Every rank prints `commit uid=<uid> step=<n> loss=<float>` for each committed step.
 """
@@ -75,7 +77,7 @@ def reset_link() -> None:
 def plant(kind: str, step: int, uid: int, training: train_ddp.Training) -> None:
     if uid != UID:
         return
-    if kind == "kill":
+    if kind in ("kill", "copying"):
         die()
     if kind == "exception":
         raise RuntimeError(f"planted exception at step {step}")
@@ -95,27 +97,36 @@ def plant(kind: str, step: int, uid: int, training: train_ddp.Training) -> None:
     if kind == "backward":
         training.model[0].register_full_backward_pre_hook(lambda *_: die())
     if kind == "refresh":
-        original_exchange = redundancy.Redundancy._exchange
-        redundancy.Redundancy._exchange = lambda self, at, *rest: die() if at == step else original_exchange(
-            self, at, *rest)
+        original_refresh = redundancy.Redundancy.refresh
+
+        def refresh(self: redundancy.Redundancy, at: int, *rest) -> None:  # noqa: ANN002
+            if at != step:
+                return original_refresh(self, at, *rest)
+            self.wait()  # as a refresh does first: the copy of the step before is complete
+            die()
+
+        redundancy.Redundancy.refresh = refresh
 
 
 def plant_due(step: int, planted: set[int], training: train_ddp.Training, ft: ftrun.Session) -> None:
     """Plant the faults due at ``step`` that ``planted`` (their indices in FAULTS) does not hold yet, and add
     them to it: each fault once, so a step replayed after a recovery does not plant it again.
 
-    With sharded state, every rank that started with the job first waits at a barrier for a kill due now: each
-    has waited for its copy of the last committed step, so the kill lands after the copies' window, on every
-    rank alike (a kill inside it, which replays a step, is the refresh fault's drill). A rank that leaves the
-    barrier may still owe another its last message, so each counts itself out in the job's store, and a rank
-    about to be killed waits for all of them: the kill hits the training, never the barrier."""
+    With sharded state, for a death due now (kill, backward) every rank that started with the job first waits
+    for its copy of the last committed step (it overlaps the step) and then at a barrier, so the death lands
+    after every copy's window, on every rank alike (a death inside it, which replays a step, is the refresh
+    fault's drill). A rank that leaves the barrier may still owe another its last message, so each counts
+    itself out in the job's store, and a rank about to die waits for all of them: the death hits the
+    training, never the barrier."""
     due = [(index, kind, at, uid) for index, (kind, at, uid) in enumerate(FAULTS)
            if index not in planted and (int(at) == step or kind == "recovery")]
-    if SHARDED and not JOINER and any(kind == "kill" and int(at) == step for _, kind, at, _ in due):
+    deaths = [int(uid) for _, kind, at, uid in due if kind in ("kill", "backward") and int(at) == step]
+    if SHARDED and not JOINER and deaths:
+        ft.redundancy.wait()
         dist.barrier()
         out = f"test/past_barrier/{step}"
         ft.store.add(out, 1)
-        if any(kind == "kill" and int(uid) == UID for _, kind, _, uid in due):
+        if UID in deaths:
             wait_until(lambda: ft.store.add(out, 0) >= dist.get_world_size())
     for index, kind, at, uid in due:
         planted.add(index)
