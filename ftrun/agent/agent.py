@@ -30,7 +30,7 @@ from ftrun.agent.failover import (elect, follow_elected, serve_group_store, star
 from ftrun.agent.follower import Follower
 from ftrun.agent.gpu_health import GpuHealth
 from ftrun.agent.leader import Leader, LeaderSetup
-from ftrun.agent.node_links import NodeLinks, start_links
+from ftrun.agent.node_links import NodeLinks, await_followers, say_ended, start_links
 from ftrun.agent.nodes import RemoteNodes, Takeover
 from ftrun.agent.pool import CHANNEL, EXIT, OUTPUT, WorkerPool
 from ftrun.agent.restarts import GroupRestarts
@@ -151,6 +151,8 @@ class Agent:
             self.gpu_health.stop()
             if self.links is not None:
                 self.links.stop()
+                if not self.leader:
+                    say_ended(self.config, self.access)
             self.access.close()  # the store's process ends
             if self.registered is not None:
                 registry.unregister(self.registered)
@@ -207,6 +209,8 @@ class Agent:
                 continue
             stopped = f"stopped by {signal_name(result.signal)}" if result.signal is not None else None
             self.coordination.close(None if result.succeeded else stopped or result.reason)
+            if isinstance(self.coordination, Leader) and self.coordination.nodes is not None:
+                await_followers(self.config, self.store, self.coordination.nodes.present())
             if result.succeeded:
                 self.log.write(events.END, outcome="succeeded")
                 self._summarise()

@@ -60,3 +60,20 @@ def start_links(config: LaunchConfig, leader: bool, store: JobStore, access: Sto
                                   looks_per_timeout=2,  # two requests a look: 0.4 a second at 10 s
                                   start_grace=config.node_start_timeout)
     return NodeLinks(mail, Outbox(store, keys.node_box(config.node_rank)), node_leases, lease, leader_lease)
+
+
+def say_ended(config: LaunchConfig, access: StoreAccess) -> None:
+    """A follower's agent ends: say so in the store, on a connection of its own that gives up in a quarter of
+    --node-timeout (a store gone or out of reach has nobody waiting for the word)."""
+    try:
+        access.connect(config.node_timeout / 4).say_ended(config.node_rank)
+    except RuntimeError:
+        pass
+
+
+def await_followers(config: LaunchConfig, store: JobStore, nodes: list[int]) -> None:
+    """The leader told ``nodes`` how the job ended; where its process serves the store (the embedded one ends
+    with it), wait up to --node-timeout for each to say it is ending, so that none loses the store before it
+    has read that word (it would fence, and end with exit code 1 whatever the job's outcome)."""
+    if config.etcd is None and nodes:
+        store.await_ended(nodes, config.node_timeout)

@@ -100,6 +100,10 @@ class RemoteNodes:
         self.lost: dict[int, str] = {}  # the nodes lost in this attempt: why, by node
         self.takeover: Takeover | None = None  # a new leader's wait for the other nodes' news of their workers
 
+    def present(self) -> list[int]:
+        """The other nodes whose workers this attempt heard of, less those lost."""
+        return sorted({node_of(uid) for uid in self.remote} - set(self.lost))
+
     def live(self) -> list[RemoteWorker]:
         """The other nodes' workers that have not ended."""
         return [w for w in self.remote.values() if w.exitcode is None]

@@ -102,6 +102,12 @@ def lease(node_rank: int) -> str:
     return f"{LEASE_PREFIX}{node_rank}"
 
 
+def ended(node_rank: int) -> str:
+    """Set by a follower's agent as it ends: the leader, whose process serves the embedded store, waits for it
+    before it ends (and the store with it), so that the follower has read the leader's last word."""
+    return f"ftrun/ended/{node_rank}"
+
+
 def evicted(node_rank: int) -> str:
     """Set once the leader declared node ``node_rank`` lost: that node must stop."""
     return f"ftrun/evicted/{node_rank}"
