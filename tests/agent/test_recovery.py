@@ -14,8 +14,9 @@ import pytest
 
 from runs import NO_WATCHDOG, NPROC, PHASES, RTOL, STEPS, check_in_place, check_steps
 
+pytestmark = pytest.mark.compat  # every test here runs on torch's current release too (.ci/run)
+
 # ---------------------------------------------------------------------------------- in-place faults
-@pytest.mark.compat
 def test_sigkill_of_a_middle_rank_is_recovered_in_place(launch, baseline):
     run = launch(faults="kill:5:2")
     check_in_place(run, baseline, lost={2: -9}, fault_step=5)
@@ -28,7 +29,6 @@ def test_sigkill_of_rank_0_is_recovered_and_rank_1_becomes_rank_0(launch, baseli
     assert any("[default1]: commit uid=1 rank=0 world=3 step=5 " in line for line in run.stdout.splitlines())
 
 
-@pytest.mark.compat
 def test_sigkill_inside_the_gradient_allreduce_discards_the_step_and_replays_it(launch, baseline):
     run = launch(faults="allreduce:5:1")
     check_in_place(run, baseline, lost={1: -9}, fault_step=5)

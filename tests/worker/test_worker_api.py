@@ -14,6 +14,7 @@ import torch
 
 from ftrun.worker.data import GlobalBatches
 
+pytestmark = pytest.mark.compat  # every test here runs on torch's current release too (.ci/run)
 
 
 # ----------------------------------------------------------------------------------- GlobalBatches
@@ -85,7 +86,6 @@ def example_lines(stdout: str) -> list[str]:
     return [m.group(1) for line in stdout.splitlines() if (m := STEP_LINE.search(line))]
 
 
-@pytest.mark.compat
 def test_example_prints_the_same_losses_under_torchrun_and_ftrun(launcher_env, free_port):
     # Under plain torchrun ftrun.init() is an ordinary init_process_group and Session.steps/commit a
     # plain DDP loop; the losses must be those of ftrun's managed run to every printed digit.
