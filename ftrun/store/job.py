@@ -257,18 +257,13 @@ class JobStore:
         """Node ``node_rank``'s agent is ending: it needs the store no longer."""
         self._set(keys.ended(node_rank), {"ended": True})
 
-    def await_ended(self, nodes: list[int], timeout: float) -> list[int]:
-        """Wait up to ``timeout`` seconds for each of ``nodes`` to say it is ending; those that did not (a mark
-        anyone wrote counts: it only ends the wait early)."""
-        wanted = [keys.ended(node) for node in nodes]
+    def await_ended(self, nodes: list[int], timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for each of ``nodes`` to say it is ending (a mark anyone wrote counts:
+        it only ends the wait early)."""
         try:
-            self.kv.wait(wanted, timedelta(seconds=timeout))
-            return []
-        except RuntimeError:  # a timeout, or the store no longer answers
-            try:
-                return [node for node, key in zip(nodes, wanted) if not self.kv.check([key])]
-            except RuntimeError:
-                return nodes
+            self.kv.wait([keys.ended(node) for node in nodes], timedelta(seconds=timeout))
+        except RuntimeError:  # a timeout, or the store no longer answers: the wait is a courtesy
+            pass
 
     def evict(self, node_rank: int) -> None:
         """Mark node ``node_rank`` lost: should it come back, it learns it must stop."""

@@ -260,6 +260,18 @@ def test_a_forged_answer_is_not_taken_for_the_jobs(served):
 
 
 @pytest.mark.fast
+def test_the_leaders_wait_for_the_nodes_it_told_ends_once_each_said_it_is_ending(served):
+    leader = served()
+    waiting = threading.Thread(target=leader.await_ended, args=([1, 2], 60.0))
+    waiting.start()
+    served().say_ended(1)
+    assert waiting.is_alive()  # node 2 has not said it yet
+    served().say_ended(2)
+    until(lambda: not waiting.is_alive())  # long before its 60 s
+    leader.await_ended([3], 0.2)  # a node that never says so costs the timeout, not an error
+
+
+@pytest.mark.fast
 @pytest.mark.parametrize("served", ["tcpstore"], indirect=True)
 def test_leases_expire_by_the_clock_given_and_an_evicted_node_learns_it(served):
     store = served()
