@@ -508,12 +508,13 @@ class Session:
         such a thread with pthread_exit, whose unwinding through pybind11's noexcept destructors calls
         std::terminate: SIGABRT, "terminate called without an active exception", after a run that succeeded.
         Destroying the default group alone joins nothing while each DDP keeps it alive through its reducer,
-        its logger and its ``process_group``: they are dropped first (no model trains after exit). So would
+        its logger, its ``process_group`` and its comm hooks' state (``_comm_hooks``: ftrun's hook is registered
+        with the group as its state): they are dropped first (no model trains after exit). So would
         ``torch.distributed.nn.functional``, whose functions bind ``group.WORLD`` as a default argument when
         it is imported (DDP imports it): this module imports it before any group is formed.
         """
         for model, _ in self._ddps:
-            for holder in ("reducer", "logger", "process_group"):
+            for holder in ("reducer", "logger", "process_group", "_comm_hooks"):
                 model.__dict__.pop(holder, None)
         if self.planes is not None:
             self.planes.destroy()

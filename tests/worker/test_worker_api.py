@@ -114,3 +114,14 @@ def test_example_prints_the_same_losses_under_torchrun_and_ftrun(launcher_env, f
     t_lines, f_lines = example_lines(t_out), example_lines(f_out)
     assert [re.sub(r"loss=\S+$", "loss=", line) for line in t_lines] == expected, t_out
     assert f_lines == t_lines, f"torchrun:\n{t_out}\nftrun:\n{f_out}"
+
+
+def test_at_exit_the_session_joins_the_backends_threads_under_torchrun(launcher_env, free_port, workload):
+    # a Gloo thread still running into the interpreter's teardown aborts a worker whose run succeeded
+    # ("terminate called without an active exception"): the shut-down must free the default group, which
+    # each DDP keeps alive through its reducer, logger, process group and comm hooks' state
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(free_port()), workload("exit_threads.py"), "--steps", "3"]
+    run = subprocess.run(command, env=launcher_env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert sorted(re.findall(r"threads after shut-down: (\d+)", run.stdout)) == ["1", "1"], run.stdout + run.stderr
