@@ -512,10 +512,15 @@ class Session:
         with the group as its state): they are dropped first (no model trains after exit). So would
         ``torch.distributed.nn.functional``, whose functions bind ``group.WORLD`` as a default argument when
         it is imported (DDP imports it): this module imports it before any group is formed.
+
+        Not when an unhandled exception ends the process (Python set ``sys.last_value`` as it printed it): that
+        is a fault, and the groups close with the process, when its agent sees it die. Closed here, the peers'
+        collectives would fail while it still lives, which reads as a link fault with every worker alive.
         """
-        for model, _ in self._ddps:
-            for holder in ("reducer", "logger", "process_group", "_comm_hooks"):
-                model.__dict__.pop(holder, None)
+        if getattr(sys, "last_value", None) is None:
+            for model, _ in self._ddps:
+                for holder in ("reducer", "logger", "process_group", "_comm_hooks"):
+                    model.__dict__.pop(holder, None)
         if self.planes is not None:
             self.planes.destroy()
         elif dist.is_initialized():
