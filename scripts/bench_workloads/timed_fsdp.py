@@ -1,10 +1,11 @@
 """examples/train_fsdp.py with the time each rank spends on keeping its shard redundant, printed at exit.
 
-``Redundancy.refresh`` (at a commit: wait for the previous copy if it is still in flight, snapshot the
-shard, start the copy, which then overlaps the next step) and ``Redundancy.wait`` (where the session waits for
-a copy outside a refresh) are the only redundancy work on the step path; both are timed with
-time.perf_counter(), a wait inside a refresh once, and each rank prints ``redundancy rank=<r> steps=<n> ms_per_step=<float>`` when it exits, which the benchmark
-reads next to the wall-clock step time (on a loaded machine the latter varies more than the copy costs).
+``Redundancy.refresh`` (at a commit: wait for the previous copy if it is still in flight, snapshot the shard,
+start the copy, which then overlaps the next step) and ``Redundancy.wait`` (where the session waits for a copy
+outside a refresh) are the only redundancy work on the step path; both are timed with time.perf_counter(), a
+wait inside a refresh once, and each rank prints ``redundancy rank=<r> steps=<n> ms_per_step=<float>`` when it
+exits, which the benchmark reads next to the wall-clock step time (on a loaded machine the latter varies more
+than the copy costs).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import subprocess
 import pytest
 
 from conftest import FTRUN
-from runs import NO_WATCHDOG, NPROC, PHASES, RTOL, STEPS, TIMEOUT, TRAINING, check_in_place, read_run
+from runs import NO_WATCHDOG, NPROC, PHASES, RTOL, STEPS, TIMEOUT, TRAINING, Run, check_in_place, read_run
 
 FSDP = "train_fsdp"
 
@@ -83,7 +83,7 @@ def test_a_rank_and_its_buddy_lost_together_fall_back_to_a_group_restart_in_one_
         assert all(c.loss == fsdp_baseline[c.step] for c in commits), f"uid {uid}\n{why}"  # a fresh run
 
 
-def recovered_from_the_loss_of(run, lost: int) -> dict:  # noqa: ANN001 -- a runs.Run
+def recovered_from_the_loss_of(run: Run, lost: int) -> dict:
     """Assert that the job succeeded with one in-place recovery from the SIGKILL of uid ``lost``, world 4 -> 3,
     every other worker started once and ending with exit code 0; the recovery event."""
     why = run.explain()
