@@ -9,6 +9,10 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import subprocess
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +37,34 @@ TIMEOUT = 150  # per ftrun run: nothing may hang
 # Where workers wait on the event log for a joiner (seconds on a busy machine), the hang watchdog must
 # not take the wait for a hang; the waits give up after 120 s anyway.
 NO_WATCHDOG = ("--hang-timeout", "300")
+
+
+def communicate(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """``proc.communicate(timeout)`` for a process whose stdout was read in part, line by line: the rest is
+    read through the same file object, since its buffer may hold lines already taken from the pipe (which
+    Popen.communicate, reading the pipe itself, would lose)."""
+    out: list[str] = []
+    err: list[str] = []
+    readers = [threading.Thread(target=lambda: out.append(proc.stdout.read()), daemon=True),
+               threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True)]
+    for reader in readers:
+        reader.start()
+    deadline = time.monotonic() + timeout
+    for reader in readers:
+        reader.join(max(0.0, deadline - time.monotonic()))
+    if any(reader.is_alive() for reader in readers):
+        raise subprocess.TimeoutExpired(proc.args, timeout)
+    proc.wait(max(0.0, deadline - time.monotonic()))
+    return "".join(out), "".join(err)
+
+
+def until(condition: Callable[[], bool], timeout: float = 10.0, what: str = "the condition") -> None:
+    """Wait for another thread or process to make ``condition()`` true: a bounded wait on its state, not a
+    timing; fails the test naming ``what`` when ``timeout`` seconds pass first."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not hold within {timeout:g} s"
+        time.sleep(0.01)
 HELD_STEPS = 200
 HELD_TRAINING = ["--steps", str(HELD_STEPS), "--width", "256"]
 """tests/workloads/held_train.py's training: long enough to act on the job while it is held (0.2 s a step)."""

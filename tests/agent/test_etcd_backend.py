@@ -18,7 +18,7 @@ from conftest import EXAMPLE, FTRUN
 from etcd_members import Cluster
 from ftrun import cli
 from ftrun.store.etcd import EtcdKeyValue, etcd_options
-from runs import STEPS, TIMEOUT, TRAINING, agent_of_node, read_run
+from runs import STEPS, TIMEOUT, TRAINING, agent_of_node, communicate, read_run
 from test_leader_loss import check_survivors
 
 DEADLINE = 60.0
@@ -196,7 +196,7 @@ def test_a_hostfile_launch_on_etcd_goes_on_without_node_0(launcher_env, workload
         workers = [e["pid"] for e in read_events(logs) if e["event"] == "worker_start" and e["node"] == 0]
         os.killpg(node0.pid, signal.SIGKILL)  # its agent, fork server and workers, at once
         hold.unlink()
-        out, err = job.communicate(timeout=TIMEOUT)
+        out, err = communicate(job, TIMEOUT)
     finally:
         if job.poll() is None:
             job.kill()

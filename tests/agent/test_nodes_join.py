@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 from conftest import FTRUN
-from runs import RTOL, TIMEOUT, read_run
+from runs import NO_WATCHDOG, RTOL, TIMEOUT, communicate, read_run, until
 
 STEPS = 40
 TRAINING = ["--steps", str(STEPS), "--width", "256"]
@@ -35,12 +35,18 @@ def three_hosts():
     network.delete()
 
 
+def ready_joiners(log_dir) -> int:
+    """How many ``joiner_ready`` events the leader's event log under ``log_dir`` holds so far."""
+    return sum('"event": "joiner_ready"' in line for log in log_dir.glob("*/events.jsonl")
+               for line in log.read_text().splitlines())
+
+
 @pytest.mark.parametrize("where", ["this machine", "namespace hosts"])
 def test_a_third_node_joins_a_running_job_and_its_workers_take_their_state_from_peers(
         launcher_env, workload, free_port, secret_file, tmp_path, held_baseline, where, request):
-    hold = tmp_path / "hold"  # the job cannot run out of steps before the third node is in
+    hold = tmp_path / "hold"  # the job waits at step 5 (GATE) until the third node's workers are ready to join
     hold.touch()
-    env = {**launcher_env, "FTRUN_SECRET_FILE": secret_file, "HOLD": str(hold)}
+    env = {**launcher_env, "FTRUN_SECRET_FILE": secret_file, "HOLD": str(hold), "GATE": "5"}
     prefixes, address = [[], [], []], "127.0.0.1"
     if where == "namespace hosts":
         from netns import HOST_IFNAME
@@ -49,7 +55,7 @@ def test_a_third_node_joins_a_running_job_and_its_workers_take_their_state_from_
         prefixes, address = [host.prefix for host in hosts], hosts[0].address
         env["GLOO_SOCKET_IFNAME"] = HOST_IFNAME
     common = ["--nnodes", "2:3", "--nproc-per-node", "2", "--master-addr", address,
-              "--rdzv-endpoint", f"{address}:{free_port()}"]
+              "--rdzv-endpoint", f"{address}:{free_port()}", *NO_WATCHDOG]
 
     def node(rank: int, **kwargs) -> subprocess.Popen:
         return subprocess.Popen([*prefixes[rank], *FTRUN, *common, "--node-rank", str(rank), "--log-dir",
@@ -66,12 +72,13 @@ def test_a_third_node_joins_a_running_job_and_its_workers_take_their_state_from_
             if " step=3 " in line:
                 break
         procs.append(node(2, stdout=subprocess.PIPE))
+        until(lambda: ready_joiners(tmp_path / "node0") == 2, TIMEOUT, "node 2's two workers ready to join")
+        hold.unlink()
         for line in node0.stdout:  # node 0's workers train in a group of 6
             lines.append(line)
             if " world=6 " in line:
                 break
-        hold.unlink()
-        outputs = [proc.communicate(timeout=TIMEOUT) for proc in procs]
+        outputs = [communicate(proc, TIMEOUT) for proc in procs]
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -86,7 +93,9 @@ def test_a_third_node_joins_a_running_job_and_its_workers_take_their_state_from_
     (joined,) = leader.of("node_joined")
     assert (joined["node"], joined["target"]) == (2, 6), why
     assert "ftrun: node 2 joined" in leader.stderr, why
-    (recovery,) = leader.of("recovery")  # one generation for both of its workers
+    recoveries = leader.of("recovery")
+    assert len(recoveries) == 1, why  # one generation for both of its workers
+    (recovery,) = recoveries
     assert recovery["kind"] == "join" and sorted(recovery["joiners"]) == [200000, 200001], why
     assert (recovery["world_before"], recovery["world_after"], recovery["steps_lost"]) == (4, 6, 0), why
     resumed = recovery["resumed_at_step"]
@@ -103,7 +112,7 @@ def test_a_third_node_joins_a_running_job_and_its_workers_take_their_state_from_
                 assert steps == list(range(resumed, STEPS)), f"uid {uid}\n{why}"
             else:  # every step once; the one in flight at the join may be missing (a peer committed it)
                 assert steps == sorted(set(steps)) and set(range(STEPS)) - set(steps) <= {resumed - 1}, \
-                    f"uid {uid}\n{why}"
+                    f"uid {uid}: steps {steps}, resumed at {resumed}\n{why}"
             for c in done:
                 assert c.world == (6 if c.step >= resumed else 4), f"{c}\n{why}"
                 expected = held_baseline[c.step] if c.world == 4 else pytest.approx(held_baseline[c.step], rel=RTOL)

@@ -6,7 +6,6 @@ import os
 import select
 import signal
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -22,16 +21,9 @@ from ftrun.store.job import JobStore, MalformedValue
 from ftrun.store.leases import FENCE_FRACTION, START_GRACE, LeaseKeeper, NodeLeases
 from ftrun.store.mailbox import MailReader, Outbox
 from ftrun.store.wire import StoreClient
+from runs import until
 
 SECRET = new_secret()
-
-
-def until(condition, timeout: float = 10.0) -> None:
-    """Wait for another thread to make ``condition()`` true (a bounded wait on its state, not a timing)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "the condition did not hold within 10 s"
-        time.sleep(0.01)
 
 
 @pytest.fixture(params=["tcpstore", "etcd"])
