@@ -413,6 +413,8 @@ class EtcdKeyValue:
             return
         events: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._waiting = events
+        if self._interrupted.is_set():  # interrupt() came after the look above, before the line above
+            events.put(_INTERRUPTED)
         threading.Thread(target=_read_watch, args=(response, events), name="ftrun-etcd-watch", daemon=True).start()
         try:
             outcome = events.get(timeout=left)
