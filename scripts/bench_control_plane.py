@@ -2,7 +2,9 @@
 
 Each simulated follower runs what a follower's agent runs against the store, with no torch worker: its
 mailbox reader (ftrun.store.mailbox.MailReader, blocking on its box's bell) and its lease
-(ftrun.store.leases.LeaseKeeper). The simulated leader runs its own reader (one lane per follower), checks
+(ftrun.store.leases.LeaseKeeper). The followers are spread over ``--processes`` forked processes (each agent
+of a real job has an interpreter of its own, on its own node; with every follower in one process, the
+measure would be that interpreter's lock as much as the store). The simulated leader runs its own reader (one lane per follower), checks
 the followers' leases (NodeLeases) every ``--monitor-interval`` seconds as the agent's loop does, and sends
 plans. Every store call of every simulated agent goes through a counter. Per N it reports:
 
@@ -25,27 +27,27 @@ plans. Every store call of every simulated agent goes through a counter. Per N i
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import selectors
 import statistics
+import subprocess
+import sys
 import threading
 import time
-from datetime import timedelta
 from collections.abc import Callable
 from typing import Any
-
-from torch.distributed import TCPStore
 
 from ftrun.agent.failover import elect
 from ftrun.store import keys
 from ftrun.store.auth import Seal, new_secret
+from ftrun.store.client import open_client_retrying
 from ftrun.store.etcd import EtcdKeyValue, etcd_options
 from ftrun.store.job import JobStore
 from ftrun.store.kv import KeyValue
 from ftrun.store.leases import LeaseKeeper, NodeLeases
 from ftrun.store.mailbox import MailReader, Outbox
-from ftrun.store.wire import StoreClient
 
 
 class Counting:
@@ -71,11 +73,23 @@ class Counting:
         return counted
 
 
+SERVE = """
+import sys
+from datetime import timedelta
+from torch.distributed import TCPStore
+store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60), use_libuv=True)
+print(store.port, flush=True)
+sys.stdin.read()
+"""
+"""A TCPStore served until its standard input ends (the bench's end)."""
+
+
 def embedded_store() -> Callable[[], KeyValue]:
-    """A TCPStore served in this process; a function making torch-free connections to it."""
-    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60),
-                      use_libuv=True)
-    return lambda: StoreClient("127.0.0.1", server.port, 30.0)
+    """A TCPStore served by a process of its own, as a job's node 0 serves it (this process then forks the
+    followers' processes with no thread of torch's running); a function making torch-free connections to it."""
+    server = subprocess.Popen([sys.executable, "-c", SERVE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    port = int(server.stdout.readline())
+    return lambda: open_client_retrying("127.0.0.1", port, 10.0, 60.0)
 
 
 def etcd_store(endpoints: str, agents: int) -> Callable[[], KeyValue]:
@@ -85,69 +99,81 @@ def etcd_store(endpoints: str, agents: int) -> Callable[[], KeyValue]:
 
 
 class Plane:
-    """N simulated agents on one store: node 0 the leader, nodes 1..N-1 followers."""
+    """N simulated agents on one store: node 0 the leader (in this process), nodes 1..N-1 followers (spread over
+    ``processes`` forked processes, each reporting the messages its readers hand on and, when asked, its store
+    requests)."""
 
-    def __init__(self, agents: int, node_timeout: float, store: Callable[[], KeyValue]) -> None:
+    def __init__(self, agents: int, node_timeout: float, store: Callable[[], KeyValue], processes: int) -> None:
         self.store = store
         self.seal = Seal(new_secret())
         self.requests, self.lock = [0], threading.Lock()
         self.by_call: dict[str, int] = {}
-        self.selector = selectors.DefaultSelector()
-        self.readers: list[MailReader] = []
-        self.pipes: list[tuple[int, int]] = []
-        self.leases: list[LeaseKeeper] = []
-        followers = range(1, agents)
-        for node in range(agents):
-            read_end, write_end = os.pipe()
-            os.set_blocking(write_end, False)
-            self.pipes.append((read_end, write_end))
-            senders = tuple(keys.node_box(n) for n in followers) if node == 0 else (keys.LEADER_BOX,)
-            reader = MailReader(self.connect, keys.node_box(node), write_end, senders=senders)
-            self.readers.append(reader)
-            self.selector.register(read_end, selectors.EVENT_READ, reader)
-        self.leases = [LeaseKeeper(self.connect, node, node_timeout) for node in followers]
+        self.agents = agents
+        followers = list(range(1, agents))
+        self.children: list[Follower] = []
+        for i in range(min(processes, len(followers))):
+            self.children.append(Follower.fork(self, followers[i::processes], node_timeout, self.children))
+        self.delivered: dict[int, list[float]] = {}
+        read_end, self.wake = os.pipe()
+        os.set_blocking(self.wake, False)
+        self.leader_reader = MailReader(self.connect, keys.node_box(0), self.wake,
+                                        senders=tuple(keys.node_box(n) for n in followers))
+        self.leader_pipe = read_end
         self.leader = self.connect()
-        self.node_leases = NodeLeases(self.leader, list(followers), node_timeout, time.monotonic())
+        self.node_leases = NodeLeases(self.leader, followers, node_timeout, time.monotonic())
         self.outbox = Outbox(self.leader, keys.LEADER_BOX)
-        for worker in [*self.readers, *self.leases]:
-            worker.start()
+        self.leader_reader.start()
 
     def connect(self) -> JobStore:
         """A new counted, torch-free connection to the store."""
         return JobStore(Counting(self.store(), self.requests, self.lock, self.by_call), self.seal)
 
+    def requests_made(self) -> tuple[int, dict[str, int]]:
+        """Store requests made so far by every simulated agent, in all and by kind of call."""
+        with self.lock:
+            total, by_call = self.requests[0], dict(self.by_call)
+        for child in self.children:
+            made, calls = child.ask_requests()
+            total += made
+            for name, count in calls.items():
+                by_call[name] = by_call.get(name, 0) + count
+        return total, by_call
+
     def idle_load(self, seconds: float, monitor_interval: float) -> tuple[float, dict[str, float]]:
         """Store requests per agent per second while nothing happens but the leader's lease checks, in all and
         by kind of call."""
-        with self.lock:
-            start, calls = self.requests[0], dict(self.by_call)
+        start, calls = self.requests_made()
         began = time.monotonic()
         while time.monotonic() - began < seconds:
             self.node_leases.expired(time.monotonic())
             time.sleep(monitor_interval)
-        with self.lock:
-            made = self.requests[0] - start
-            by_call = {name: count - calls.get(name, 0) for name, count in self.by_call.items()}
-        per_agent = len(self.readers) * (time.monotonic() - began)
+        made, by_call = self.requests_made()
+        made -= start
+        by_call = {name: count - calls.get(name, 0) for name, count in by_call.items()}
+        per_agent = self.agents * (time.monotonic() - began)
         return made / per_agent, {name: count / per_agent for name, count in by_call.items() if count}
 
     def broadcast(self, plan: int) -> list[float]:
-        """Send one message to every follower's box; each follower's delivery latency in seconds."""
-        followers = self.readers[1:]
+        """Send one message to every follower's box; each follower's delivery latency in seconds (the
+        processes' monotonic clocks are the machine's one)."""
         started = time.monotonic()
         self.outbox.send_many([(keys.node_box(node), {"t": "plan", "gen": plan})
-                               for node in range(1, len(self.readers))])  # as the leader relays a plan
-        latencies: dict[int, float] = {}
+                               for node in range(1, self.agents)])  # as the leader relays a plan
         deadline = started + 60
-        while len(latencies) < len(followers) and time.monotonic() < deadline:
-            for selected, _ in self.selector.select(timeout=1.0):
-                os.read(selected.fd, 4096)
-                reader: MailReader = selected.data
-                if any(m.get("gen") == plan for m in reader.take()) and reader is not self.readers[0]:
-                    latencies[id(reader)] = time.monotonic() - started
-        if len(latencies) < len(followers):
-            raise SystemExit(f"plan {plan}: {len(followers) - len(latencies)} followers got nothing in 60 s")
-        return list(latencies.values())
+        selector = selectors.DefaultSelector()
+        for child in self.children:
+            selector.register(child.results, selectors.EVENT_READ, child)
+            for gen, when in child.take_pending():
+                self.delivered.setdefault(gen, []).append(when)
+        while len(self.delivered.get(plan, [])) < self.agents - 1 and time.monotonic() < deadline:
+            for selected, _ in selector.select(timeout=1.0):
+                for gen, when in selected.data.read_deliveries():
+                    self.delivered.setdefault(gen, []).append(when)
+        selector.close()
+        got = self.delivered.pop(plan, [])
+        if len(got) < self.agents - 1:
+            raise SystemExit(f"plan {plan}: {self.agents - 1 - len(got)} followers got nothing in 60 s")
+        return [when - started for when in got]
 
     def failover(self, node_timeout: float, monitor_interval: float) -> tuple[list[float], set[int]]:
         """Stop the leader's lease renewals; each follower's time from the last renewal to knowing the elected
@@ -158,7 +184,7 @@ class Plane:
             time.sleep(monitor_interval)
         known: dict[int, tuple[float, int]] = {}
         watchers = [threading.Thread(target=self._watch_leader, args=(node, node_timeout, monitor_interval, known))
-                    for node in range(1, len(self.readers))]
+                    for node in range(1, self.agents)]
         for watcher in watchers:
             watcher.start()
         time.sleep(node_timeout / 2)  # the watchers have looked at least once
@@ -183,11 +209,104 @@ class Plane:
             known[node] = (time.monotonic(), won.node)
 
     def close(self) -> None:
-        for worker in [*self.readers, *self.leases]:
-            worker.stop()
-        for read_end, write_end in self.pipes:
-            os.close(read_end)
-            os.close(write_end)
+        self.leader_reader.stop()
+        for child in self.children:
+            child.stop()
+        os.close(self.leader_pipe)
+        os.close(self.wake)
+
+
+class Follower:
+    """A forked process running the readers and leases of some simulated followers; it writes a line
+    ``GEN TIME`` to its results pipe for each message a reader hands on, and answers ``r`` on its command
+    pipe with its store requests so far (one JSON line)."""
+
+    def __init__(self, pid: int, commands: int, results: int) -> None:
+        self.pid, self.commands, self.results = pid, commands, results
+        self._buffer = b""
+        self._pending: list[tuple[int, float]] = []
+        self._answers: list[list[Any]] = []
+
+    @classmethod
+    def fork(cls, plane: Plane, nodes: list[int], node_timeout: float, earlier: list[Follower]) -> Follower:
+        """Start the process for ``nodes`` (before the calling process starts threads of its own); it closes
+        the ``earlier`` processes' pipes, so that each sees the end of its command pipe when the bench closes it."""
+        command_read, command_write = os.pipe()
+        result_read, result_write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            for fd in [command_write, result_read, *(fd for f in earlier for fd in (f.commands, f.results))]:
+                os.close(fd)
+            try:
+                cls._serve(plane, nodes, node_timeout, command_read, result_write)
+            finally:
+                os._exit(0)
+        os.close(command_read)
+        os.close(result_write)
+        return cls(pid, command_write, result_read)
+
+    @staticmethod
+    def _serve(plane: Plane, nodes: list[int], node_timeout: float, commands: int, results: int) -> None:
+        selector = selectors.DefaultSelector()
+        selector.register(commands, selectors.EVENT_READ, None)
+        readers, pipes = [], []
+        for node in nodes:
+            read_end, write_end = os.pipe()
+            os.set_blocking(write_end, False)
+            reader = MailReader(plane.connect, keys.node_box(node), write_end, senders=(keys.LEADER_BOX,))
+            readers.append(reader)
+            pipes.append((read_end, write_end))
+            selector.register(read_end, selectors.EVENT_READ, reader)
+        leases = [LeaseKeeper(plane.connect, node, node_timeout) for node in nodes]
+        for worker in [*readers, *leases]:
+            worker.start()
+        with os.fdopen(results, "w", buffering=1) as out:
+            while True:
+                for selected, _ in selector.select():
+                    if selected.data is None:
+                        if os.read(commands, 1) != b"r":  # closed: the bench is done
+                            for worker in [*readers, *leases]:
+                                worker.stop()
+                            return
+                        with plane.lock:
+                            out.write(json.dumps([plane.requests[0], plane.by_call]) + "\n")
+                        continue
+                    os.read(selected.fd, 4096)
+                    now = time.monotonic()
+                    out.writelines(f"{m['gen']} {now}\n" for m in selected.data.take() if "gen" in m)
+
+    def read_deliveries(self) -> list[tuple[int, float]]:
+        """The deliveries reported since the last call (reads the results pipe: call it when it is readable)."""
+        self._read()
+        return self.take_pending()
+
+    def take_pending(self) -> list[tuple[int, float]]:
+        """The deliveries already read and not yet returned."""
+        pending, self._pending = self._pending, []
+        return pending
+
+    def ask_requests(self) -> tuple[int, dict[str, int]]:
+        """The store requests this process's agents made so far (deliveries read meanwhile are kept)."""
+        os.write(self.commands, b"r")
+        while not self._answers:
+            self._read()
+        made, by_call = self._answers.pop(0)
+        return made, by_call
+
+    def _read(self) -> None:
+        self._buffer += os.read(self.results, 1 << 16)
+        *lines, self._buffer = self._buffer.split(b"\n")
+        for line in map(bytes.decode, lines):
+            if line.startswith("["):
+                self._answers.append(json.loads(line))
+            else:
+                gen, when = line.split()
+                self._pending.append((int(gen), float(when)))
+
+    def stop(self) -> None:
+        os.close(self.commands)
+        os.waitpid(self.pid, 0)
+        os.close(self.results)
 
 
 def percentile(values: list[float], fraction: float) -> float:
@@ -201,6 +320,8 @@ def main() -> None:
     parser.add_argument("--agents", type=int, nargs="+", default=[16, 64, 256, 1024])
     parser.add_argument("--idle", type=float, default=10.0, help="seconds of idle load measured per N")
     parser.add_argument("--plans", type=int, default=5, help="broadcasts measured per N")
+    parser.add_argument("--processes", type=int, default=16, help="processes the simulated followers are spread "
+                        "over (default 16; 1: every follower in one process, as before)")
     parser.add_argument("--node-timeout", type=float, default=10.0, help="as ftrun's --node-timeout (default 10)")
     parser.add_argument("--monitor-interval", type=float, default=0.1, help="as ftrun's --monitor-interval")
     parser.add_argument("--etcd", metavar="ENDPOINTS", help="measure an etcd cluster (h1:2379,...) instead of "
@@ -210,11 +331,12 @@ def main() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     backend = f"etcd at {args.etcd}" if args.etcd else "embedded store (TCPStore)"
     print(f"{backend}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; "
-          f"--node-timeout {args.node_timeout:g}")
+          f"--node-timeout {args.node_timeout:g}; followers in {args.processes} processes")
     print(f"{'agents':>7} {'idle requests/agent/s':>22} {'plan p50 ms':>12} {'plan p99 ms':>12} "
           f"{'failover p50 s':>15} {'failover max s':>15}  idle, by call")
     for agents in args.agents:
-        plane = Plane(agents, args.node_timeout, etcd_store(args.etcd, agents) if args.etcd else embedded_store())
+        plane = Plane(agents, args.node_timeout, etcd_store(args.etcd, agents) if args.etcd else embedded_store(),
+                      args.processes)
         try:
             plane.broadcast(0)  # every reader connected and waiting on its bell
             idle, by_call = plane.idle_load(args.idle, args.monitor_interval)
@@ -231,7 +353,8 @@ def main() -> None:
               f"{1000 * percentile(latencies, 0.99):>12.1f} {failover}  "
               + " ".join(f"{name} {rate:.2f}" for name, rate in sorted(by_call.items())), flush=True)
     etcd = f" --etcd {args.etcd}" if args.etcd else ""
-    print(f"command: python scripts/bench_control_plane.py --agents {' '.join(map(str, args.agents))}{etcd}")
+    print(f"command: python scripts/bench_control_plane.py --agents {' '.join(map(str, args.agents))}{etcd} "
+          f"--processes {args.processes}")
 
 
 if __name__ == "__main__":
