@@ -249,13 +249,12 @@ class Follower:
     def _serve(plane: Plane, nodes: list[int], node_timeout: float, commands: int, results: int) -> None:
         selector = selectors.DefaultSelector()
         selector.register(commands, selectors.EVENT_READ, None)
-        readers, pipes = [], []
+        readers = []
         for node in nodes:
             read_end, write_end = os.pipe()
             os.set_blocking(write_end, False)
             reader = MailReader(plane.connect, keys.node_box(node), write_end, senders=(keys.LEADER_BOX,))
             readers.append(reader)
-            pipes.append((read_end, write_end))
             selector.register(read_end, selectors.EVENT_READ, reader)
         leases = [LeaseKeeper(plane.connect, node, node_timeout) for node in nodes]
         for worker in [*readers, *leases]:
@@ -304,6 +303,7 @@ class Follower:
                 self._pending.append((int(gen), float(when)))
 
     def stop(self) -> None:
+        """End the process (its command pipe closes) and wait for it."""
         os.close(self.commands)
         os.waitpid(self.pid, 0)
         os.close(self.results)

@@ -38,33 +38,6 @@ TIMEOUT = 150  # per ftrun run: nothing may hang
 # not take the wait for a hang; the waits give up after 120 s anyway.
 NO_WATCHDOG = ("--hang-timeout", "300")
 
-
-def communicate(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
-    """``proc.communicate(timeout)`` for a process whose stdout was read in part, line by line: the rest is
-    read through the same file object, since its buffer may hold lines already taken from the pipe (which
-    Popen.communicate, reading the pipe itself, would lose)."""
-    out: list[str] = []
-    err: list[str] = []
-    readers = [threading.Thread(target=lambda: out.append(proc.stdout.read()), daemon=True),
-               threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True)]
-    for reader in readers:
-        reader.start()
-    deadline = time.monotonic() + timeout
-    for reader in readers:
-        reader.join(max(0.0, deadline - time.monotonic()))
-    if any(reader.is_alive() for reader in readers):
-        raise subprocess.TimeoutExpired(proc.args, timeout)
-    proc.wait(max(0.0, deadline - time.monotonic()))
-    return "".join(out), "".join(err)
-
-
-def until(condition: Callable[[], bool], timeout: float = 10.0, what: str = "the condition") -> None:
-    """Wait for another thread or process to make ``condition()`` true: a bounded wait on its state, not a
-    timing; fails the test naming ``what`` when ``timeout`` seconds pass first."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} did not hold within {timeout:g} s"
-        time.sleep(0.01)
 HELD_STEPS = 200
 HELD_TRAINING = ["--steps", str(HELD_STEPS), "--width", "256"]
 """tests/workloads/held_train.py's training: long enough to act on the job while it is held (0.2 s a step)."""
@@ -117,6 +90,34 @@ def read_run(result, log_dir: Path) -> Run:
     assert len(logs) == 1, f"expected one run directory in {log_dir}: {logs}\n{result.stderr}"
     events = [json.loads(line) for line in logs[0].read_text().splitlines() if line.strip()]
     return Run(result.returncode, result.stdout, result.stderr, events, logs[0].parent)
+
+
+def communicate(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """``proc.communicate(timeout)`` for a process whose stdout was read in part, line by line: the rest is
+    read through the same file object, since its buffer may hold lines already taken from the pipe (which
+    Popen.communicate, reading the pipe itself, would lose)."""
+    out: list[str] = []
+    err: list[str] = []
+    readers = [threading.Thread(target=lambda: out.append(proc.stdout.read()), daemon=True),
+               threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True)]
+    for reader in readers:
+        reader.start()
+    deadline = time.monotonic() + timeout
+    for reader in readers:
+        reader.join(max(0.0, deadline - time.monotonic()))
+    if any(reader.is_alive() for reader in readers):
+        raise subprocess.TimeoutExpired(proc.args, timeout)
+    proc.wait(max(0.0, deadline - time.monotonic()))
+    return "".join(out), "".join(err)
+
+
+def until(condition: Callable[[], bool], timeout: float = 10.0, what: str = "the condition") -> None:
+    """Wait for another thread or process to make ``condition()`` true: a bounded wait on its state, not a
+    timing; fails the test naming ``what`` when ``timeout`` seconds pass first."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not hold within {timeout:g} s"
+        time.sleep(0.01)
 
 
 # ------------------------------------------------------------------------------------------ checks

@@ -126,10 +126,11 @@ def test_kill_while_the_last_steps_copies_may_be_in_flight_recovers_at_most_one_
     why = run.explain()
     recovery = recovered_from_the_loss_of(run, 2)
     assert recovery["steps_lost"] in (0, 1) and recovery["resumed_at_step"] == 5 - recovery["steps_lost"], why
+    commits = run.commits()
     for uid in (0, 1, 3):
-        steps = [c.step for c in run.commits()[uid]]
+        steps = [c.step for c in commits[uid]]
         assert steps == [*range(5), *range(5 - recovery["steps_lost"], STEPS)], f"uid {uid}\n{why}"
-        assert all(c.loss == pytest.approx(fsdp_baseline[c.step], rel=RTOL) for c in run.commits()[uid]), why
+        assert all(c.loss == pytest.approx(fsdp_baseline[c.step], rel=RTOL) for c in commits[uid]), why
 
 
 def test_both_workers_of_a_node_killed_take_their_shards_from_the_other_nodes_memory(
