@@ -32,8 +32,12 @@ def test_a_full_log_disk_drops_the_logs_and_the_job_still_recovers_in_place(run_
     commits = run.commits()  # the console still has every line
     assert set(commits) == set(range(NPROC)), why
     for uid, lines in commits.items():
-        expected = list(range(5)) if uid == 2 else list(range(STEPS))
-        assert [c.step for c in lines] == expected, why
+        steps = [c.step for c in lines]
+        if uid == 2:
+            assert steps == list(range(5)), why
+        else:  # step 4, in flight as rank 2 died, may be missing: that rank took it from a peer (runs.check_steps)
+            assert steps == sorted(set(steps)) and set(range(STEPS)) - set(steps) <= {4} and steps[-1] == STEPS - 1, \
+                f"uid {uid}: {steps}\n{why}"
         for c in lines:
             assert c.loss == pytest.approx(baseline[c.step], rel=RTOL), f"{c}\n{why}"
     assert all(p.stat().st_size == 0 for p in run.run_dir.glob("attempt_0/*/*.log")), why
