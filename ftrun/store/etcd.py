@@ -34,7 +34,7 @@ import socket
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -302,6 +302,45 @@ class EtcdKeyValue:
                     for key, value in items[start:start + TXN_PUTS]]
             self._call("kv/txn", {"success": puts})
 
+    def read_many(self, keys: Sequence[str], deleting: Sequence[str] = ()) -> list[bytes | None]:
+        """Delete the keys in ``deleting``, then the value of each of ``keys`` (None where absent), in one
+        transaction (up to TXN_PUTS operations; a longer list takes more)."""
+        return self._read_many(keys, deleting)[0]
+
+    def wait_any(self, keys: Sequence[str], timeout: float, fetch: Sequence[str] = ()) -> dict[str, bytes | None]:
+        """Return once one of ``keys`` exists, or after ``timeout`` s: the keys seen set (none: empty), with their
+        values (each read is the whole key). One read of them all, then a watch on each from that read's
+        revision (a write in between is not missed)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            values, revision = self._read_many(keys, ())
+            if any(value is not None for value in values):
+                return {key: value for key, value in zip(keys, values) if value is not None}
+            try:
+                self._watch_put(keys, revision, deadline)
+            except EtcdUnavailable:
+                if self._interrupted.is_set() or time.monotonic() < deadline:
+                    raise
+                return {}
+
+    def _read_many(self, keys: Sequence[str], deleting: Sequence[str]) -> tuple[list[bytes | None], int]:
+        """:meth:`read_many`, and the revision of its last transaction."""
+        ops = [{"request_delete_range": {"key": _b64(self._key(key))}} for key in deleting]
+        ops += [{"request_range": {"key": _b64(self._key(key))}} for key in keys]
+        responses, revision = [], 0
+        try:
+            for start in range(0, len(ops), TXN_PUTS):
+                answer = self._call("kv/txn", {"success": ops[start:start + TXN_PUTS]})
+                responses += answer.get("responses") or []
+                revision = int(answer["header"]["revision"])
+            found = [r["response_range"].get("kvs") or [] for r in responses[len(deleting):]]
+            values = [_unb64(kvs[0].get("value", "")) if kvs else None for kvs in found]
+        except (AttributeError, KeyError, TypeError, ValueError, IndexError):
+            values = []
+        if len(values) != len(keys):
+            raise EtcdUnavailable("etcd: the answer to a transaction of reads is not etcd's")
+        return values, revision
+
     def get(self, key: str) -> bytes:
         """The value under ``key``, waiting for it up to the client's timeout."""
         return self._await(key, time.monotonic() + self.timeout)
@@ -384,7 +423,7 @@ class EtcdKeyValue:
             value, _, revision = self._range(key)
             if value is not None:
                 return value
-            self._watch_put(key, revision, deadline)
+            self._watch_put([key], revision, deadline)
 
     def interrupt(self) -> None:
         """End the wait in progress, and every later one, at once (EtcdUnavailable): for a reader that stops."""
@@ -393,37 +432,45 @@ class EtcdKeyValue:
         if waiting is not None:
             waiting.put(_INTERRUPTED)
 
-    def _watch_put(self, key: str, revision: int, deadline: float) -> None:
-        """Block until ``key`` is written after ``revision``, or the member watched goes away (the caller reads
-        again, from another endpoint); EtcdUnavailable once ``deadline`` passes or on :meth:`interrupt`."""
+    def _watch_put(self, keys: Sequence[str], revision: int, deadline: float) -> None:
+        """Block until one of ``keys`` is written after ``revision``, or the member watched goes away (the caller
+        reads again, from another endpoint); EtcdUnavailable once ``deadline`` passes or on :meth:`interrupt`."""
         left = deadline - time.monotonic()
+        what = ", ".join(keys)
         if left <= 0:
-            raise EtcdUnavailable(f"etcd: {key} did not appear in time")
+            raise EtcdUnavailable(f"etcd: {what} did not appear in time")
         if self._interrupted.is_set():
             raise EtcdUnavailable("etcd: the wait was interrupted")
         client = self._clients[self._current]
-        body = {"create_request": {"key": _b64(self._key(key)), "start_revision": revision + 1,
-                                   "filters": ["NODELETE"]}}
-        session = _session_like(client.session)  # a connection of its own: a closed stream poisons no pool
-        try:
-            response = session.post(client.get_url("/watch"), json=body, stream=True, timeout=(self.timeout, None))
-        except OSError:
-            session.close()
-            self._current = (self._current + 1) % len(self._clients)
-            return
         events: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._waiting = events
-        if self._interrupted.is_set():  # interrupt() came after the look above, before the line above
-            events.put(_INTERRUPTED)
-        threading.Thread(target=_read_watch, args=(response, events), name="ftrun-etcd-watch", daemon=True).start()
+        opened: list[tuple[Any, Any]] = []  # a connection of its own per watch: a closed stream poisons no pool
         try:
-            outcome = events.get(timeout=left)
-        except queue.Empty:
-            raise EtcdUnavailable(f"etcd: {key} did not appear in time") from None
+            for key in keys:
+                body = {"create_request": {"key": _b64(self._key(key)), "start_revision": revision + 1,
+                                           "filters": ["NODELETE"]}}
+                session = _session_like(client.session)
+                try:
+                    response = session.post(client.get_url("/watch"), json=body, stream=True,
+                                            timeout=(self.timeout, None))
+                except OSError:
+                    session.close()
+                    self._current = (self._current + 1) % len(self._clients)
+                    return
+                opened.append((session, response))
+                threading.Thread(target=_read_watch, args=(response, events), name="ftrun-etcd-watch",
+                                 daemon=True).start()
+            self._waiting = events
+            if self._interrupted.is_set():  # interrupt() came after the look above, before the line above
+                events.put(_INTERRUPTED)
+            try:
+                outcome = events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise EtcdUnavailable(f"etcd: {what} did not appear in time") from None
         finally:
             self._waiting = None
-            _close_stream(response)
-            session.close()
+            for session, response in opened:
+                _close_stream(response)
+                session.close()
         if outcome is _INTERRUPTED:
             raise EtcdUnavailable("etcd: the wait was interrupted")
         if outcome is _ENDED:  # the member went away under the watch: the next read goes to another endpoint

@@ -11,7 +11,7 @@ from ftrun.errors import UsageError
 from ftrun.protocol import Plan
 from ftrun.store import keys
 from ftrun.store.auth import MalformedValue, Seal
-from ftrun.store.kv import KeyValue, LeasingKeyValue
+from ftrun.store.kv import BatchingKeyValue, KeyValue, LeasingKeyValue
 
 __all__ = ["JobStore", "MalformedValue", "decode_object"]
 
@@ -40,6 +40,7 @@ class JobStore:
     def __init__(self, kv: KeyValue, seal: Seal) -> None:
         self.kv = kv
         self.seal = seal
+        self._batching = isinstance(kv, BatchingKeyValue)  # once: a protocol's isinstance costs tens of µs
 
     def _set(self, key: str, value: dict[str, Any]) -> None:
         self.kv.set(key, self.seal.seal(key, json.dumps(value).encode()))
@@ -140,7 +141,8 @@ class JobStore:
         for box, index, message in messages:
             key = keys.sent_item(box, sender, index)
             items.append((key, self.seal.seal(key, json.dumps(message).encode())))
-        items += [(keys.bell(box), b"") for box in dict.fromkeys(box for box, _, _ in messages)]
+        items += [(keys.bell(box), b"") for box in dict.fromkeys(box for box, _, _ in messages)
+                  if box != keys.BROADCAST]  # the readers of broadcasts wait for the message's key itself
         set_many = getattr(self.kv, "set_many", None)
         if set_many is not None:
             set_many(items)
@@ -154,26 +156,41 @@ class JobStore:
         value anyone writes there wakes the reader, nothing more."""
         self.kv.set(keys.bell(box), b"")
 
-    def await_ring(self, box: str, timeout: float) -> bool:
-        """Wait up to ``timeout`` s for ``box``'s bell and take it (delete it); whether it rang. A store that
-        stopped answering looks like silence here and raises at the caller's next call."""
+    def await_ring(self, box: str, timeout: float, also: list[str]) -> dict[str, bytes | None]:
+        """Wait up to ``timeout`` s for ``box``'s bell, or for one of the keys ``also`` (the next broadcasts):
+        the keys seen set (none: empty), with the raw value of each of ``also`` that came. The reader deletes
+        the bell with its next look (:meth:`look_at_mail`). A backend that cannot wait for several keys at
+        once waits for the bell alone (the broadcasts are then read when it rings, or at the timeout). A store
+        that stopped answering looks like silence here and raises at the caller's next call."""
+        bell = keys.bell(box)
         try:
-            self.kv.wait([keys.bell(box)], timedelta(seconds=timeout))
+            if also and self._batching:
+                return self.kv.wait_any([bell, *also], timeout, also)  # type: ignore[attr-defined]
+            self.kv.wait([bell], timedelta(seconds=timeout))
         except RuntimeError:
-            return False
-        self.kv.delete_key(keys.bell(box))
-        return True
+            return {}
+        return {bell: None}
 
-    def has_mail(self, key: str) -> bool:
-        """Whether something is stored at the mailbox key ``key``."""
-        return self.kv.check([key])
+    def look_at_mail(self, discard: list[str], read: list[str]) -> list[bytes | None]:
+        """Delete the mailbox keys in ``discard`` (read, given up on, or a bell that rang), then what is stored
+        at each key in ``read`` (None where nothing is), unopened: in one round trip where the backend batches
+        calls (:class:`~ftrun.store.kv.BatchingKeyValue`), else a few calls a key."""
+        if self._batching:
+            return self.kv.read_many(read, discard)  # type: ignore[attr-defined]
+        for key in discard:
+            self.kv.delete_key(key)
+        return [self.kv.get(key) if self.kv.check([key]) else None for key in read]
+
+    def open_mail(self, key: str, raw: bytes) -> dict[str, Any]:
+        """The message ``raw`` read at mailbox key ``key``; MalformedValue if ftrun did not write it there."""
+        return decode_object(self.seal.open(key, raw))
 
     def read_mail(self, key: str) -> dict[str, Any]:
         """The message at mailbox key ``key`` (something is there); MalformedValue if ftrun did not write it."""
         return self._get(key)
 
     def discard_mail(self, key: str) -> None:
-        """Delete what is at mailbox key ``key`` (read, or given up on)."""
+        """Delete what is at mailbox key ``key`` (a broadcast every reader is past)."""
         self.kv.delete_key(key)
 
     def request(self, box: str, message: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:

@@ -88,6 +88,11 @@ def sent_item(box: str, sender: str, index: int) -> str:
     return f"ftrun/mail/{box}/{sender}/{index}"
 
 
+BROADCAST = "all"
+"""The box every node reads (no node's own): a sender's broadcasts are ``sent_item(BROADCAST, sender, n)``,
+written once for all nodes and waited for by each (no bell)."""
+
+
 def reply(token: str) -> str:
     """The answer to the command that carried ``reply_to = token``."""
     return f"ftrun/reply/{token}"

@@ -8,6 +8,7 @@ answering now".
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Protocol, runtime_checkable
 
@@ -32,6 +33,20 @@ class KeyValue(Protocol):
 
     def delete_key(self, key: str) -> bool:
         """Delete ``key``; whether it existed."""
+
+
+@runtime_checkable
+class BatchingKeyValue(KeyValue, Protocol):
+    """A store that takes several calls in one round trip and waits for whichever of several keys comes first
+    (the torch-free TCPStore client, etcd): the mailbox reader's look at all its lanes costs one request then,
+    however many lanes it has, and it waits for its bell and the next broadcast at once."""
+
+    def read_many(self, keys: Sequence[str], deleting: Sequence[str] = ()) -> list[bytes | None]:
+        """Delete the keys in ``deleting``, then the value of each of ``keys`` (None where absent)."""
+
+    def wait_any(self, keys: Sequence[str], timeout: float, fetch: Sequence[str] = ()) -> dict[str, bytes | None]:
+        """Return once one of ``keys`` exists, or after ``timeout`` s: the keys seen set (none: empty), with the
+        values of those in ``fetch`` (the others' may be None)."""
 
 
 @runtime_checkable

@@ -43,14 +43,20 @@ STOP_WAIT = 5.0
 """Seconds :meth:`MailReader.stop` waits for the thread (its store calls return in milliseconds)."""
 OVERWRITE_GRACE = 5.0
 """Seconds the writer of an index has to write it once the next index holds a valid message (a writer
-writes right after it numbers its message)."""
+writes right after it numbers its message); also how long a message waits for the broadcast sent before it."""
+KEPT_BROADCASTS = 64
+"""A sender's broadcasts left in the store: writing one deletes the one this many before it (every reader is
+past it by then; one still behind it was cut off for longer than its lease allows)."""
+AFTER = "_after"
+"""The field of a message to one box that says how many broadcasts its sender had sent before it."""
 
 Validator = Callable[[dict[str, Any]], "str | None"]
 """Why a message is not one the reader accepts, or None when it is."""
 
 
 class Outbox:
-    """What one agent (or the hostfile launcher) sends to other agents' mailboxes, numbered per box from 1."""
+    """What one agent (or the hostfile launcher) sends to other agents' mailboxes, numbered per box from 1, and
+    what it broadcasts to every node (numbered in the box :data:`~ftrun.store.keys.BROADCAST`)."""
 
     def __init__(self, store: JobStore, sender: str) -> None:
         self.store = store
@@ -65,10 +71,21 @@ class Outbox:
     def send_many(self, messages: list[tuple[str, dict[str, Any]]]) -> None:
         """Send each ``(box, message)``, in order per box, in as few store writes as the backend allows."""
         numbered = []
+        broadcasts = self.sent.get(keys.BROADCAST, 0)
         for box, message in messages:
             index = self.sent[box] = self.sent.get(box, 0) + 1
-            numbered.append((box, index, message))
+            numbered.append((box, index, {**message, AFTER: broadcasts} if broadcasts and box != keys.BROADCAST
+                             else message))
         self.store.send_many(self.sender, numbered)
+
+    def broadcast(self, message: dict[str, Any]) -> None:
+        """Send ``message`` to every node that reads this sender's broadcasts: one write, whatever the number
+        of nodes (each reader waits for its key; no bell is rung). A message this outbox sends to a box later
+        is handed on after it (it carries the count of broadcasts before it, :data:`AFTER`)."""
+        self.send_many([(keys.BROADCAST, message)])
+        stale = self.sent[keys.BROADCAST] - KEPT_BROADCASTS
+        if stale > 0:
+            self.store.discard_mail(keys.sent_item(keys.BROADCAST, self.sender, stale))
 
 
 @dataclass
@@ -76,21 +93,27 @@ class _Lane:
     """One writer's (or the clients') sequence of keys in a box, and how far the reader got."""
 
     key: Callable[[int], str]
-    passed: Callable[[JobStore, _Lane], int]  # the last index its writers are known to be past (0: none)
+    probe: Callable[[_Lane], str]  # the key that tells whether its writers are past ``index``...
+    passed: Callable[[JobStore, _Lane, bytes | None], int]  # ... read from its value: the last index they are
+    # known to be past (0: none)
     index: int = 1
     refused: int = 0  # the last index whose value was refused (and counted)
     passed_since: float | None = None  # when the writers were first seen past ``index``...
     passed_upto: int = 0  # ... and every index up to this one
     sender: str = ""  # the agent that writes it ("": the clients' commands)
+    shared: bool = False  # the sender's broadcasts: read by every node, deleted by the sender
+    held_since: float | None = None  # when the message at ``index`` was first seen waiting for a broadcast
 
     def advance(self) -> None:
         self.index += 1
+        self.held_since = None
         if self.index > self.passed_upto:
             self.passed_since = None
 
 
 class MailReader:
-    """Reads one box, its commands and the messages of the agents in ``senders``, for an event loop.
+    """Reads one box, its commands and the messages of the agents in ``senders``, and the broadcasts of those
+    in ``broadcasts``, for an event loop.
 
     It uses a store connection of its own (so the loop's calls never queue behind it; one that can be
     interrupted, such as :class:`~ftrun.store.wire.StoreClient`, lets :meth:`stop` end its wait at once;
@@ -98,10 +121,17 @@ class MailReader:
     ``wake_fd`` so the loop can select on it, and :meth:`take` returns what arrived. A value that is not a
     sealed JSON object, or that ``validate`` refuses, is dropped and counted in :attr:`dropped`, never handed
     on. The reader only reads, checks and deletes keys: no value anyone writes can break its connection.
+
+    A broadcast is read where its sender wrote it once for every node, and left there. The reader waits for
+    its bell and for the next broadcast at once (on a backend that can), so a broadcast costs each reader its
+    wait's answer and one look. A sender's message to the box is handed on after every broadcast it sent
+    before it: each look reads the box's lanes before the broadcasts, and a message that names a broadcast
+    not yet read waits for it (:data:`OVERWRITE_GRACE` seconds at most).
     """
 
     def __init__(self, connect: Callable[[], JobStore], box: str, wake_fd: int,
-                 validate: Validator = lambda message: None, senders: tuple[str, ...] = ()) -> None:
+                 validate: Validator = lambda message: None, senders: tuple[str, ...] = (),
+                 broadcasts: tuple[str, ...] = ()) -> None:
         self.box = box
         self.wake_fd = wake_fd
         self.dropped = 0
@@ -109,9 +139,11 @@ class MailReader:
         """Why the last value dropped was refused."""
         self._validate = validate
         self._connect = connect
-        self._lanes = [_Lane(lambda i: keys.mail_item(box, i), self._counter_passed)]
-        self._lanes += [_Lane(lambda i, sender=sender: keys.sent_item(box, sender, i), self._next_is_valid,
-                              sender=sender) for sender in senders]
+        self._lanes = [_Lane(lambda i: keys.mail_item(box, i), lambda lane: keys.mail_count(box),
+                             self._counter_passed)]
+        self._lanes += [self._sender_lane(sender) for sender in senders]
+        self._lanes += [self._sender_lane(sender, shared=True) for sender in broadcasts]
+        self._discard: list[str] = []  # keys to delete with the next look: read, given up, or the rung bell
         self._queue: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
         self._lanes_lock = threading.Lock()  # held while a lane is dropped, and while a message is queued
         self._store: JobStore | None = None  # the connection in use, for stop() to interrupt
@@ -122,11 +154,12 @@ class MailReader:
         """Start waiting for messages."""
         self._thread.start()
 
-    def add_sender(self, sender: str, store: JobStore) -> None:
-        """Read ``sender``'s messages too, from its first (a new leader's, after an election); the box's bell
-        is rung through ``store`` (the caller's connection), so that what it wrote already is read now."""
-        lane = _Lane(lambda i: keys.sent_item(self.box, sender, i), self._next_is_valid, sender=sender)
-        self._lanes = [*self._lanes, lane]  # one assignment: the reader's thread sees the old list or the new
+    def add_sender(self, sender: str, store: JobStore, broadcasts: bool = False) -> None:
+        """Read ``sender``'s messages too, from its first (a new leader's, after an election), and its
+        broadcasts where ``broadcasts``; the box's bell is rung through ``store`` (the caller's connection), so
+        that what it wrote already is read now."""
+        added = [self._sender_lane(sender)] + ([self._sender_lane(sender, shared=True)] if broadcasts else [])
+        self._lanes = [*self._lanes, *added]  # one assignment: the reader's thread sees the old list or the new
         store.ring(self.box)
 
     def drop_sender(self, sender: str) -> None:
@@ -154,6 +187,11 @@ class MailReader:
             messages.append(self._queue.get())
         return messages
 
+    def _sender_lane(self, sender: str, shared: bool = False) -> _Lane:
+        box = keys.BROADCAST if shared else self.box
+        return _Lane(lambda i: keys.sent_item(box, sender, i), lambda lane: lane.key(lane.index + 1),
+                     self._next_is_valid, sender=sender, shared=shared)
+
     def _run(self) -> None:
         retry = 0.0  # seconds before the next attempt to reach the store
         while not self._stop.wait(retry):
@@ -162,24 +200,81 @@ class MailReader:
                 store = self._store = self._connect()
                 retry = 0.0
                 while not self._stop.is_set():
-                    now = time.monotonic()
-                    if not any([self._pump(store, lane, now) for lane in self._lanes]):  # every lane, each pass
-                        store.await_ring(self.box, self._quiet_for(now))
+                    if not self._look(store, time.monotonic()) and self._await(store):
+                        self._discard.append(keys.bell(self.box))  # deleted before the next look reads
             except RuntimeError:  # the store went away (or stop() interrupted it): connect again
+                close = getattr(self._store.kv, "close", None) if self._store is not None else None
+                if close is not None:
+                    close()
                 continue
 
+    def _await(self, store: JobStore) -> bool:
+        """Wait for the bell, and hand on the broadcasts that come meanwhile (each read by its own wait, with
+        no look), until the bell rings (True), the wait ends, or a message to the box waits for a broadcast
+        that came: the reader looks then."""
+        bell = keys.bell(self.box)
+        while not self._stop.is_set():
+            shared = [lane for lane in self._lanes if lane.shared]
+            came = store.await_ring(self.box, self._quiet_for(time.monotonic()),
+                                    [lane.key(lane.index) for lane in shared])
+            now = time.monotonic()
+            for lane in shared:
+                key = lane.key(lane.index)
+                if key in came:
+                    self._pump(store, lane, key, came[key], None, now)
+            if not came or bell in came or any(lane.held_since is not None for lane in self._lanes):
+                return bell in came
+        return False
+
     def _quiet_for(self, now: float) -> float:
-        """How long to wait for the bell: until the first lane's writers' grace ends, at most IDLE_WAIT."""
-        ends = [lane.passed_since + OVERWRITE_GRACE - now for lane in self._lanes if lane.passed_since is not None]
+        """How long to wait for the bell: until the first lane's writers' grace ends (or a held message's wait
+        for its broadcast), at most IDLE_WAIT."""
+        ends = [since + OVERWRITE_GRACE - now for lane in self._lanes
+                for since in (lane.passed_since, lane.held_since) if since is not None]
         return max(0.0, min([IDLE_WAIT, *ends]))
 
-    def _pump(self, store: JobStore, lane: _Lane, now: float) -> bool:
-        """Hand on the message at ``lane``'s index, or give the index up; whether the lane moved on."""
-        key = lane.key(lane.index)
-        if store.has_mail(key):
-            message, problem = self._read(store, key)
+    def _look(self, store: JobStore, now: float, broadcasts_only: bool = False) -> bool:
+        """One look at every lane (only the broadcasts' after a wake by a broadcast alone), in one store call
+        that first deletes what earlier looks took: hand on the message at each lane's index, or give the
+        index up; whether to look again before waiting (a lane moved on, and its writers may be past its new
+        index too). What a look took is deleted with the next, so a message costs its reader one round trip
+        besides the wait. The box's lanes are read before the broadcasts and handed on after them: a
+        message to the box that was written after a broadcast is never seen without it."""
+        box = [] if broadcasts_only else [lane for lane in self._lanes if not lane.shared]
+        shared = [lane for lane in self._lanes if lane.shared]
+        wanted = {id(lane): [lane.key(lane.index)] + ([lane.probe(lane)] if lane.passed_since is None else [])
+                  for lane in [*box, *shared]}
+        values = iter(store.look_at_mail(self._discard, [key for keys_ in wanted.values() for key in keys_]))
+        self._discard = []
+        read = {id(lane): (next(values), next(values) if len(keys_) > 1 else None)
+                for lane, keys_ in zip([*box, *shared], wanted.values())}
+        again = False
+        for lane in [*shared, *box]:
+            keys_ = wanted[id(lane)]
+            value, probed = read[id(lane)]
+            if self._pump(store, lane, keys_[0], value, probed, now):
+                again = again or len(keys_) == 1 or self._more_behind(store, lane, probed)
+        return again
+
+    def _more_behind(self, store: JobStore, lane: _Lane, probed: bytes | None) -> bool:
+        """Whether ``lane``, just moved on, may hold its next message already: its probe, read for the index it
+        left, shows a writer past that one (an agent's next key holds something, or the clients' counter is at
+        the new index)."""
+        if lane.sender:
+            return probed is not None
+        return self._counter_passed(store, lane, probed) >= lane.index
+
+    def _pump(self, store: JobStore, lane: _Lane, key: str, value: bytes | None, probed: bytes | None,
+              now: float) -> bool:
+        """Hand on ``value``, the message at ``lane``'s index (``key``), or give the index up (``probed``: what
+        its probe key holds); whether the lane moved on."""
+        if value is not None:
+            message, problem = self._open(store, key, value)
+            if problem is None and self._waits_for_broadcast(lane, message, now):
+                return False
             if problem is None:
-                store.discard_mail(key)
+                if not lane.shared:  # a broadcast stays for the other nodes
+                    self._discard.append(key)
                 lane.advance()
                 with self._lanes_lock:  # a lane dropped meanwhile hands nothing on
                     if any(lane is kept for kept in self._lanes):
@@ -194,31 +289,42 @@ class MailReader:
                 self.dropped += 1
                 self.last_dropped = problem
         if lane.passed_since is None:  # looked at each time the bell rings, or the reader's wait ends
-            lane.passed_upto = lane.passed(store, lane)
+            lane.passed_upto = lane.passed(store, lane, probed)
             if lane.passed_upto >= lane.index:
                 lane.passed_since = now
         elif now - lane.passed_since >= OVERWRITE_GRACE:
-            store.discard_mail(key)
+            if not lane.shared:
+                self._discard.append(key)
             lane.advance()
             return True
         return False
 
-    def _counter_passed(self, store: JobStore, lane: _Lane) -> int:
-        """How many command indices clients took (the counter is read with ``get``: ``add`` on a counter that
-        holds no number makes the store drop the connection)."""
-        counter = keys.mail_count(self.box)
-        taken = store.kv.get(counter) if store.has_mail(counter) else b""
-        return int(taken) if taken.isdigit() and len(taken) < 20 else 0
+    def _waits_for_broadcast(self, lane: _Lane, message: dict[str, Any], now: float) -> bool:
+        """Whether ``message`` (valid, at ``lane``'s index) waits for a broadcast its sender sent before it and
+        this reader has not read yet; it waits OVERWRITE_GRACE seconds at most (that broadcast's write failed)."""
+        after = message.get(AFTER)
+        if lane.shared or not isinstance(after, int) or not any(
+                other.shared and other.sender == lane.sender and other.index <= after for other in self._lanes):
+            return False
+        if lane.held_since is None:
+            lane.held_since = now
+        return now - lane.held_since < OVERWRITE_GRACE
 
-    def _next_is_valid(self, store: JobStore, lane: _Lane) -> int:
+    @staticmethod
+    def _counter_passed(store: JobStore, lane: _Lane, taken: bytes | None) -> int:
+        """How many command indices clients took (the counter's value is read, never added to: ``add`` on a
+        counter that holds no number makes the store drop the connection)."""
+        return int(taken) if taken is not None and taken.isdigit() and len(taken) < 20 else 0
+
+    def _next_is_valid(self, store: JobStore, lane: _Lane, behind: bytes | None) -> int:
         """``lane``'s index when the agent's next message waits behind it (an agent writes in order), else 0."""
-        behind = lane.key(lane.index + 1)
-        return lane.index if store.has_mail(behind) and self._read(store, behind)[1] is None else 0
+        ok = behind is not None and self._open(store, lane.key(lane.index + 1), behind)[1] is None
+        return lane.index if ok else 0
 
-    def _read(self, store: JobStore, key: str) -> tuple[dict[str, Any], str | None]:
-        """The message at ``key``, and why it is refused (None when it is handed on)."""
+    def _open(self, store: JobStore, key: str, raw: bytes) -> tuple[dict[str, Any], str | None]:
+        """The message ``raw`` read at ``key``, and why it is refused (None when it is handed on)."""
         try:
-            message = store.read_mail(key)
+            message = store.open_mail(key, raw)
         except MalformedValue as exc:
             return {}, str(exc)
         problem = self._validate(message)

@@ -24,6 +24,7 @@ through leaves the byte stream in an unknown state, so the connection is closed.
 from __future__ import annotations
 
 import random
+import select
 import socket
 import struct
 import threading
@@ -39,6 +40,8 @@ KEY_PREFIX = "/"
 """What torch's TCPStore client puts before each key on the wire."""
 DEFAULT_TIMEOUT = 5.0
 """Seconds a call may take unless told otherwise."""
+RECV_SIZE = 1 << 16
+"""Bytes asked of the socket per read."""
 
 _U64 = struct.Struct("<Q")
 _I64 = struct.Struct("<q")
@@ -109,6 +112,8 @@ class StoreClient:
         self._address = (host, port)
         self.timeout = timeout
         self._lock = threading.Lock()
+        self._received = bytearray()  # answers read from the socket and not yet taken
+        self._waiters: list[_Waiter] = []  # the connections wait_any waits on, one per key it waits for
         patience = timeout if connect_timeout is None else connect_timeout
         deadline = time.monotonic() + patience
         try:
@@ -138,6 +143,11 @@ class StoreClient:
         """Set ``key`` to ``value``."""
         self._call(bytes([Query.SET]) + self._key(key) + _blob(_value(value)), None, lambda deadline: None)
 
+    def set_many(self, items: Sequence[tuple[str, str | bytes]]) -> None:
+        """Set each ``(key, value)``, in order, in one write (SET has no answer)."""
+        self._call(b"".join(bytes([Query.SET]) + self._key(key) + _blob(_value(value)) for key, value in items),
+                   None, lambda deadline: None)
+
     def get(self, key: str, timeout: float | timedelta | None = None) -> bytes:
         """The value of ``key``, once it is set (StoreTimeout if it is not within the timeout)."""
         deadline = self._deadline(timeout)
@@ -161,6 +171,28 @@ class StoreClient:
         query = bytes([Query.COMPARE_SET]) + self._key(key) + _blob(_value(expected)) + _blob(_value(desired))
         return self._call(query, None, self._recv_blob)
 
+    def read_many(self, keys: Sequence[str], deleting: Sequence[str] = ()) -> list[bytes | None]:
+        """Delete the keys in ``deleting``, then the value of each of ``keys`` (None where none is set), in two
+        round trips at most: the deletes and a CHECK of each key written at once and answered in order, then
+        a GET of each key that is set (none when none is). Nothing here touches a key it reads (a COMPARE_SET
+        would: torch's libuv server wakes the key's waiters even when it sets nothing).
+        """
+        queries = [bytes([Query.DELETE_KEY]) + self._key(key) for key in deleting]
+        queries += [bytes([Query.CHECK]) + self._keys([key]) for key in keys]
+
+        def answers(deadline: float) -> list[bool]:
+            for _ in deleting:
+                self._recv_i64(deadline)
+            return [self._recv_byte(deadline) == CHECK_READY for _ in keys]
+
+        present = self._call(b"".join(queries), None, answers)
+        found = [key for key, there in zip(keys, present) if there]
+        if not found:
+            return [None] * len(keys)
+        values = iter(self._call(b"".join(bytes([Query.GET]) + self._key(key) for key in found), None,
+                                 lambda deadline: [self._recv_blob(deadline) for _ in found]))
+        return [next(values) if there else None for there in present]
+
     def check(self, keys: Sequence[str]) -> bool:
         """Whether every one of ``keys`` is set, without waiting."""
         return self._call(bytes([Query.CHECK]) + self._keys(keys), None, self._recv_byte) == CHECK_READY
@@ -168,6 +200,49 @@ class StoreClient:
     def wait(self, keys: Sequence[str], timeout: float | timedelta | None = None) -> None:
         """Return once every one of ``keys`` is set; StoreTimeout if they are not within the timeout."""
         self._wait(keys, self._deadline(timeout))
+
+    def wait_any(self, keys: Sequence[str], timeout: float, fetch: Sequence[str] = ()) -> dict[str, bytes | None]:
+        """Return once one of ``keys`` is set, or after ``timeout`` s: the keys seen set (none: empty), each
+        with its value where it is in ``fetch`` (None for the others).
+
+        Each key is waited for on a connection of its own (a TCPStore WAIT waits for all its keys, and a
+        connection holds one WAIT), opened at the first call and kept: a WAIT still pending when this returns
+        stays armed, and a later call for the same key finds it there, so waiting again for a key that did not
+        come (a mailbox's bell, while a broadcast came) costs the store nothing. A key to fetch is read on its
+        own connection as soon as its WAIT answers. The main connection stays free for other calls.
+        """
+        deadline = self._deadline(timeout)
+        with self._lock:
+            try:
+                waiters = [self._waiter(slot, key, deadline) for slot, key in enumerate(keys)]
+                while not any(waiter.fired for waiter in waiters):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return {}
+                    ready, _, _ = select.select([w.sock for w in waiters], [], [], left)
+                    for waiter in waiters:
+                        if waiter.sock in ready:
+                            waiter.take_answer(deadline)
+                came = {key: waiter.fetch(deadline) if key in fetch else None
+                        for key, waiter in zip(keys, waiters) if waiter.fired}
+                for waiter in waiters:
+                    if waiter.fired:
+                        waiter.key = None  # armed again at the next wait for it
+            except (StoreError, OSError, ValueError) as exc:  # a connection went away (or was shut down)
+                self.close()
+                raise exc if isinstance(exc, StoreError) else StoreError(f"the store went away ({exc})") from None
+            return came
+
+    def _waiter(self, slot: int, key: str, deadline: float) -> _Waiter:
+        """The connection for the ``slot``-th key of :meth:`wait_any`, waiting for ``key`` (the lock is held)."""
+        if self._sock is None:
+            raise StoreError("the connection is closed")
+        while len(self._waiters) <= slot:
+            self._waiters.append(_Waiter(StoreClient(*self._address, self.timeout)))
+        waiter = self._waiters[slot]
+        if waiter.key != key:
+            waiter.arm(key, deadline)
+        return waiter
 
     def delete_key(self, key: str) -> bool:
         """Delete ``key``; whether it existed."""
@@ -191,20 +266,22 @@ class StoreClient:
         return self._call(bytes([Query.GETNUMKEYS]), None, self._recv_i64)
 
     def close(self) -> None:
-        """Close the connection (calls after this raise StoreError)."""
+        """Close the connection (calls after this raise StoreError), and those :meth:`wait_any` opened."""
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        for waiter in self._waiters:
+            waiter.client.close()
 
     def interrupt(self) -> None:
         """End, from another thread, the call this connection is blocked in (it raises StoreError), and every
         later one: the connection is shut down."""
-        sock = self._sock
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        for sock in [self._sock, *(waiter.client._sock for waiter in self._waiters)]:
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
     def __enter__(self) -> StoreClient:
         return self
@@ -272,18 +349,21 @@ class StoreClient:
             raise StoreError(f"the store went away ({exc.strerror or exc})") from None
 
     def _recv(self, size: int, deadline: float) -> bytes:
-        data = b""
-        while len(data) < size:
+        """The next ``size`` bytes of the server's answers: from what an earlier read took in beyond its own
+        answer, then from the socket, in reads as large as the socket has (few system calls for a batch)."""
+        while len(self._received) < size:
             sock = self._open_socket(deadline)
             try:
-                chunk = sock.recv(size - len(data))
+                chunk = sock.recv(RECV_SIZE)
             except socket.timeout:
                 raise StoreTimeout("no answer in time") from None
             except OSError as exc:
                 raise StoreError(f"the store went away ({exc.strerror or exc})") from None
             if not chunk:
                 raise StoreError("the connection was closed")
-            data += chunk
+            self._received += chunk
+        data = bytes(self._received[:size])
+        del self._received[:size]
         return data
 
     def _open_socket(self, deadline: float) -> socket.socket:
@@ -304,3 +384,42 @@ class StoreClient:
 
     def _recv_blob(self, deadline: float) -> bytes:
         return self._recv(_U64.unpack(self._recv(_U64.size, deadline))[0], deadline)
+
+
+class _Waiter:
+    """A connection of :meth:`StoreClient.wait_any`'s and the key its pending WAIT is for (None: none pending)."""
+
+    def __init__(self, client: StoreClient) -> None:
+        self.client = client
+        self.key: str | None = None
+        self.fired = False
+
+    @property
+    def sock(self) -> socket.socket:
+        if self.client._sock is None:
+            raise StoreError("the connection is closed")
+        return self.client._sock
+
+    def arm(self, key: str, deadline: float) -> None:
+        """Wait for ``key`` (withdrawing the WAIT pending for another key, unless it came meanwhile)."""
+        client = self.client
+        if self.key is not None:
+            client._send(bytes([Query.CANCEL_WAIT]), deadline)
+            if client._recv_byte(deadline) == STOP_WAITING:  # it came: its cancel's acknowledgement follows
+                client._recv_byte(deadline)
+        client._send(bytes([Query.WAIT]) + client._keys([key]), deadline)
+        self.key, self.fired = key, False
+
+    def take_answer(self, deadline: float) -> None:
+        """Read the answer of the pending WAIT (the socket is readable): its key is set."""
+        if self.client._recv_byte(deadline) != STOP_WAITING:
+            raise StoreError("unexpected answer to WAIT")
+        self.fired = True
+
+    def fetch(self, deadline: float) -> bytes:
+        """The value of the key whose WAIT answered (none is pending after this: the next wait arms one)."""
+        client, key = self.client, self.key
+        self.key = None
+        if key is None:
+            raise StoreError("no key to fetch")
+        return client._call(bytes([Query.GET]) + client._key(key), deadline, client._recv_blob)

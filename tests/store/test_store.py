@@ -134,6 +134,82 @@ def test_the_mail_reader_hands_on_commands_in_order_and_drops_what_is_not_a_vali
     assert not store.kv.check([keys.mail_item("node3", i) for i in range(1, 6)])  # read ones are deleted
 
 
+@pytest.fixture
+def broadcast_readers(served, monkeypatch):
+    """Readers of boxes node3 and node4 that read node1's mail and broadcasts (grace 0.2 s, two broadcasts
+    kept); returns a function that waits for ``n`` messages of one reader and returns them, and the readers."""
+    from ftrun.store import mailbox
+
+    monkeypatch.setattr(mailbox, "OVERWRITE_GRACE", 0.2)
+    monkeypatch.setattr(mailbox, "KEPT_BROADCASTS", 2)
+    pipes = [os.pipe() for _ in range(2)]
+    readers = [MailReader(lambda: served(wire=True), box, wake_w, senders=("node1",), broadcasts=("node1",))
+               for box, (_, wake_w) in zip(["node3", "node4"], pipes)]
+
+    def receive(which: int, n: int) -> list[dict]:
+        received: list[dict] = []
+        while len(received) < n:
+            assert select.select([pipes[which][0]], [], [], 10)[0], "no wake-up within 10 s"
+            os.read(pipes[which][0], 64)
+            received += readers[which].take()
+        return received
+
+    for reader in readers:
+        reader.start()
+    yield receive, readers
+    for reader in readers:
+        reader.stop()
+    for fds in pipes:
+        for fd in fds:
+            os.close(fd)
+
+
+@pytest.mark.fast
+def test_a_broadcast_is_written_once_for_every_reader_and_the_sender_deletes_old_ones(served, broadcast_readers):
+    receive, _ = broadcast_readers
+    store = served()
+    outbox = Outbox(store, "node1")
+    for gen in range(3):
+        outbox.broadcast({"t": "plan", "gen": gen})
+        assert receive(0, 1) == receive(1, 1) == [{"t": "plan", "gen": gen}]
+    kept = [store.kv.check([keys.sent_item(keys.BROADCAST, "node1", i)]) for i in (1, 2, 3)]
+    assert kept == [False, True, True]  # the readers leave them; the sender deletes the one KEPT_BROADCASTS back
+    assert not store.kv.check([keys.bell("node3")]) and not store.kv.check([keys.bell(keys.BROADCAST)])
+
+
+@pytest.mark.fast
+def test_a_message_sent_after_a_broadcast_is_handed_on_after_it(served, broadcast_readers):
+    """A message to the box that names a broadcast not read yet waits for it: the box's message can be seen
+    first (it is written after, but a look may read it before the broadcast's wait answers)."""
+    receive, readers = broadcast_readers
+    store = served()
+    store.send_many("node1", [("node3", 1, {"t": "after it", "_after": 1})])  # as if it overtook broadcast 1
+    assert select.select([], [], [], 0.1) == ([], [], [])
+    assert readers[0].take() == []
+    Outbox(store, "node1").broadcast({"t": "plan"})
+    assert [m["t"] for m in receive(0, 2)] == ["plan", "after it"]
+    assert [m["t"] for m in receive(1, 1)] == ["plan"]
+
+
+@pytest.mark.fast
+def test_a_message_whose_broadcast_never_comes_is_handed_on_after_the_grace(served, broadcast_readers):
+    receive, _ = broadcast_readers
+    served().send_many("node1", [("node3", 1, {"t": "orphan", "_after": 1})])  # broadcast 1's write failed
+    assert [m["t"] for m in receive(0, 1)] == ["orphan"]
+
+
+@pytest.mark.fast
+def test_the_outbox_numbers_the_broadcasts_before_each_message(served):
+    store = served()
+    outbox = Outbox(store, "node1")
+    outbox.send("node3", {"t": "before"})
+    outbox.broadcast({"t": "plan"})
+    outbox.send("node3", {"t": "after"})
+    read = [store.read_mail(keys.sent_item("node3", "node1", i)) for i in (1, 2)]
+    assert read == [{"t": "before"}, {"t": "after", "_after": 1}]
+    assert store.read_mail(keys.sent_item(keys.BROADCAST, "node1", 1)) == {"t": "plan"}
+
+
 @pytest.mark.fast
 def test_stop_ends_a_reader_blocked_on_its_bell_at_once(served):
     """The reader waits on its bell for up to IDLE_WAIT (20 s); stop() interrupts that wait rather than

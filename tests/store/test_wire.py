@@ -127,3 +127,35 @@ def test_an_http_server_or_a_closing_listener_is_not_a_store():
 def test_a_port_nobody_listens_on_is_refused(free_port):
     with pytest.raises(StoreError, match="refused"):
         StoreClient("127.0.0.1", free_port(), timeout=5)
+
+
+@pytest.mark.fast
+def test_read_many_deletes_first_then_reads_each_key_or_none(server):
+    master, torch_client = server
+    torch_client.set("a", b"1")
+    torch_client.set("gone", b"x")
+    with StoreClient("127.0.0.1", master.port, 5.0) as client:
+        assert client.read_many(["a", "gone", "never"], deleting=["gone"]) == [b"1", None, None]
+        assert client.read_many(["never"]) == [None]
+        assert not torch_client.check(["never"])  # reading creates nothing
+
+
+@pytest.mark.fast
+def test_wait_any_returns_the_key_that_came_with_its_value_and_keeps_the_other_wait(server):
+    master, torch_client = server
+    with StoreClient("127.0.0.1", master.port, 5.0) as client:
+        assert client.wait_any(["bell", "news"], 0.2, fetch=["news"]) == {}
+        torch_client.set("news", b"hello")
+        assert client.wait_any(["bell", "news"], 5.0, fetch=["news"]) == {"news": b"hello"}
+        torch_client.set("bell", b"")
+        assert client.wait_any(["bell", "later"], 5.0, fetch=["later"]) == {"bell": None}
+        assert client.set("k", b"v") is None and client.get("k") == b"v"  # the main connection stayed free
+
+
+@pytest.mark.fast
+def test_a_read_does_not_wake_a_wait_for_the_key_it_reads(server):
+    master, _ = server
+    with StoreClient("127.0.0.1", master.port, 5.0) as waiting, StoreClient("127.0.0.1", master.port, 5.0) as reader:
+        assert waiting.wait_any(["next"], 0.1) == {}  # its wait for "next" stays armed
+        assert reader.read_many(["next"]) == [None]
+        assert waiting.wait_any(["next"], 0.3) == {}  # still nothing: it was not woken
