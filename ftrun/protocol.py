@@ -54,6 +54,7 @@ NODE_STUCK = "node_stuck"  # every rank of a follower waits in a collective past
 FOLLOWING = "following"  # after an election, a follower told the new leader of its workers: {node, term, gen}
 # the leader -> a follower's mailbox
 RELAY = "relay"  # control messages for one of its workers: {uid, data (JSON lines)}
+RELAY_ALL = "relay_all"  # broadcast to every node: the same control messages for each of these workers: {uids, data}
 SIGNAL = "signal"  # signal one of its workers: {uid, sig}
 START_WORKER = "start_worker"  # start the replacement of its worker: {uid, local_rank, rank}
 STOP = "stop"  # the leader's attempt failed (or was stopped): stop every worker and end: {reason}
@@ -258,6 +259,7 @@ MAIL: dict[str, dict[str, Check]] = {
     NODE_STUCK: {"node": _int, "gen": _int, "reason": _text},
     FOLLOWING: {"node": _int, "term": _int, "gen": _int},
     RELAY: {"uid": _int, "data": _relayed},
+    RELAY_ALL: {"uids": _uids, "data": _relayed},
     SIGNAL: {"uid": _int, "sig": _signal},
     START_WORKER: {"uid": _int, "local_rank": _int, "rank": _optional_int},
     STOP: {"reason": _text},

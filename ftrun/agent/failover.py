@@ -62,7 +62,7 @@ def follow_elected(won: Election, lost: int, links: NodeLinks, follower: Followe
     its lease, and tell it of this node's workers."""
     leases = NodeLeases(store, [won.node], timeout, time.monotonic(), evicts=False, looks_per_timeout=2)
     links.mail.drop_sender(keys.node_box(lost))
-    links.mail.add_sender(keys.node_box(won.node), store)
+    links.mail.add_sender(keys.node_box(won.node), store, broadcasts=True)
     links.leader_lease = leases
     follower.follow(won.node, won.term, leases)
 

@@ -111,6 +111,12 @@ class Follower:
         if kind == protocol.RELAY and worker is not None and worker.exitcode is None:
             self._follow_plans(message["data"])
             worker.send(message["data"].encode())
+        elif kind == protocol.RELAY_ALL:
+            mine = [w for w in map(self.local.get, message["uids"]) if w is not None and w.exitcode is None]
+            if mine:
+                self._follow_plans(message["data"])
+            for each in mine:
+                each.send(message["data"].encode())
         elif kind == protocol.SIGNAL and worker is not None:
             worker.send_signal(message["sig"])
         elif kind == protocol.START_WORKER:  # the replacement of this node's worker ``uid``

@@ -43,7 +43,8 @@ def start_links(config: LaunchConfig, leader: bool, store: JobStore, access: Sto
     senders = [keys.node_box(n) for n in range(1, config.max_nodes)] if leader else [keys.LEADER_BOX]
     if leader and config.under_launcher:
         senders.append(keys.LAUNCHER)
-    mail = MailReader(access.connect, keys.node_box(config.node_rank), mail_w, protocol.mail_problem, tuple(senders))
+    mail = MailReader(access.connect, keys.node_box(config.node_rank), mail_w, protocol.mail_problem, tuple(senders),
+                      broadcasts=() if leader else (keys.LEADER_BOX,))
     mail.start()
     node_leases = lease = leader_lease = None
     if config.multinode and leader:

@@ -230,9 +230,13 @@ class RemoteNodes:
                                                                  "rank": worker.slot.rank})])
 
     def relay(self, workers: list[WorkerHandle], data: bytes) -> None:
-        """Relay the same control message to each of these workers of other nodes, through their agents, in
-        one batch of mail."""
-        mail(self.outbox, [relay_mail(w.uid, data) for w in workers])
+        """Relay the same control message to each of these workers of other nodes, through their agents: one
+        broadcast, written once whatever the number of nodes (a plan; each node hands it to its workers among
+        ``workers``)."""
+        try:
+            self.outbox.broadcast({"t": protocol.RELAY_ALL, "data": data.decode(), "uids": [w.uid for w in workers]})
+        except RuntimeError:
+            pass  # as mail(): a lasting loss is the leases' business
 
     def end(self, reason: str | None, restart: int | None) -> None:
         """Tell every other node how the leader's attempt ended: it succeeded (``reason`` None), the group
