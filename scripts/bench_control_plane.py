@@ -51,10 +51,11 @@ from ftrun.store.mailbox import MailReader, Outbox
 
 
 class Counting:
-    """A store connection that counts every call made through it (into a shared, locked counter)."""
+    """A store connection that counts every call made through it (into a shared, locked counter); a batch of
+    calls made in one round trip (``read_many``) counts as the calls it holds."""
 
     CALLS = ("set", "get", "add", "check", "wait", "delete_key", "grant_lease", "set_leased", "keep_alive",
-             "read_prefix")
+             "read_prefix", "read_many", "set_many", "wait_any")
 
     def __init__(self, kv: KeyValue, counter: list[int], lock: threading.Lock, by_call: dict[str, int]) -> None:
         self.kv, self.counter, self.lock, self.by_call = kv, counter, lock, by_call
@@ -65,9 +66,11 @@ class Counting:
             return attribute
 
         def counted(*args: Any, **kwargs: Any) -> Any:
+            calls = {"read_many": lambda: len(args[0]) + len(args[1]), "set_many": lambda: len(args[0])}.get(
+                name, lambda: 1)()
             with self.lock:
-                self.counter[0] += 1
-                self.by_call[name] = self.by_call.get(name, 0) + 1
+                self.counter[0] += calls
+                self.by_call[name] = self.by_call.get(name, 0) + calls
             return attribute(*args, **kwargs)
 
         return counted
@@ -75,13 +78,14 @@ class Counting:
 
 SERVE = """
 import sys
-from datetime import timedelta
-from torch.distributed import TCPStore
-store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60), use_libuv=True)
-print(store.port, flush=True)
+from ftrun.config import Endpoint
+from ftrun.store.host import StoreHost
+host = StoreHost(Endpoint("127.0.0.1", 0), "127.0.0.1")
+host.start()
+print(host.port, flush=True)
 sys.stdin.read()
 """
-"""A TCPStore served until its standard input ends (the bench's end)."""
+"""The job's store served as an agent serves it (on the socket StoreHost binds), until standard input ends."""
 
 
 def embedded_store() -> Callable[[], KeyValue]:
@@ -157,8 +161,7 @@ class Plane:
         """Send one message to every follower's box; each follower's delivery latency in seconds (the
         processes' monotonic clocks are the machine's one)."""
         started = time.monotonic()
-        self.outbox.send_many([(keys.node_box(node), {"t": "plan", "gen": plan})
-                               for node in range(1, self.agents)])  # as the leader relays a plan
+        self.outbox.broadcast({"t": "plan", "gen": plan})  # as the leader relays a plan
         deadline = started + 60
         selector = selectors.DefaultSelector()
         for child in self.children:
@@ -253,7 +256,8 @@ class Follower:
         for node in nodes:
             read_end, write_end = os.pipe()
             os.set_blocking(write_end, False)
-            reader = MailReader(plane.connect, keys.node_box(node), write_end, senders=(keys.LEADER_BOX,))
+            reader = MailReader(plane.connect, keys.node_box(node), write_end, senders=(keys.LEADER_BOX,),
+                                broadcasts=(keys.LEADER_BOX,))
             readers.append(reader)
             selector.register(read_end, selectors.EVENT_READ, reader)
         leases = [LeaseKeeper(plane.connect, node, node_timeout) for node in nodes]
