@@ -18,9 +18,9 @@ from ftrun.health.signals import Action
 from ftrun.launcher.hosts import (MAX_WORKERS_PER_NODE, Host, is_local, listen_address, parse_host_list,
                                   read_hostfile)
 from ftrun.launcher.slurm import slurm_node
-from ftrun.store import etcd as etcd_backend
+from ftrun.store import etcd_config
 from ftrun.store.auth import SECRET_FILE_VARIABLE, new_secret, read_secret_file
-from ftrun.store.etcd import EtcdOptions
+from ftrun.store.etcd_config import EtcdOptions
 from ftrun.store.leases import fence_margin
 
 def parse_std_spec(spec: str, flag: str, nproc: int) -> dict[int, int]:
@@ -324,7 +324,7 @@ def build_config(
         rdzv_endpoint, rdzv_backend = f"{slurm.head}:29400", "c10d"
     if start_method not in ("spawn", "fork", "forkserver"):
         raise UsageError(f"--start-method {start_method!r} is not valid: use spawn, fork or forkserver")
-    if rdzv_backend not in ("static", "c10d", *etcd_backend.BACKENDS):
+    if rdzv_backend not in ("static", "c10d", *etcd_config.BACKENDS):
         raise UsageError(f"--rdzv-backend {rdzv_backend!r} is not supported: use c10d or static (ftrun hosts the "
                          "store), or etcd / etcd-v2 (an etcd cluster holds it)")
     if max_restarts < 0:
@@ -340,7 +340,7 @@ def build_config(
     if standalone and max_nodes > 1:
         raise UsageError("--standalone is for one node: remove it, or --nnodes/--hostfile")
     etcd = None
-    if rdzv_backend in etcd_backend.BACKENDS:
+    if rdzv_backend in etcd_config.BACKENDS:
         etcd = _etcd(rdzv_endpoint, rdzv_id, rdzv_conf, multinode=max_nodes > 1 and hosts is None)
         # the process groups' store is node 0's (as with static): on a free port unless --master-port says
         rdzv_backend, rdzv_endpoint = "static", ""
@@ -462,7 +462,7 @@ def _etcd(endpoints: str, rdzv_id: str, rdzv_conf: str, *, multinode: bool) -> E
     if not run_id.replace("-", "").replace("_", "").replace(".", "").isalnum() or len(run_id) > 128:
         raise UsageError(f"--rdzv-id {run_id[:40]!r}: with etcd, use letters, digits, '-', '_' and '.' (at most "
                          "128)")
-    return etcd_backend.etcd_options(endpoints, run_id, parse_rdzv_conf(rdzv_conf))
+    return etcd_config.etcd_options(endpoints, run_id, parse_rdzv_conf(rdzv_conf))
 
 
 def parse_rdzv_conf(text: str) -> dict[str, str]:

@@ -47,7 +47,7 @@ from ftrun.events import EventLog
 from ftrun.nccl import startup_notices
 from ftrun.processes import SignalWake, signal_name
 from ftrun.store.auth import Seal, write_secret_file
-from ftrun.store.etcd import answering
+from ftrun.store.etcd_config import answering
 from ftrun.store.host import StoreHost
 from ftrun.store.job import JobStore
 from ftrun.tally import run_summary

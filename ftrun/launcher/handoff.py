@@ -23,7 +23,7 @@ from typing import Any
 from ftrun.config import Endpoint, LaunchConfig, RecoveryConfig
 from ftrun.errors import UsageError
 from ftrun.health.signals import Action
-from ftrun.store.etcd import EtcdOptions
+from ftrun.store.etcd_config import EtcdOptions
 
 VERSION = 1
 """Bumped whenever a field changes meaning; an agent refuses any other version."""

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from ftrun.errors import NoSuchJob, UsageError
 from ftrun.protocol import is_address, split_address
-from ftrun.store import etcd, keys
+from ftrun.store import etcd, etcd_config, keys
 from ftrun.store.auth import Seal, secret_for_endpoint
 from ftrun.store.job import JobStore
 from ftrun.store.kv import KeyValue
@@ -71,8 +71,8 @@ and its store is served once its agent has imported torch, seconds later on a bu
 
 def check_endpoint(endpoint: str) -> None:
     """UsageError unless ``endpoint`` names a job's store: HOST:PORT, or an ``etcd://`` URL."""
-    if endpoint.startswith(etcd.SCHEME):
-        etcd.parse_url(endpoint)
+    if endpoint.startswith(etcd_config.SCHEME):
+        etcd_config.parse_url(endpoint)
     else:
         parse_endpoint(endpoint)
 
@@ -83,12 +83,12 @@ def connect(endpoint: str, timeout: float = 5.0, connect_timeout: float | None =
 
     Pass STORE_START_WAIT for a job found in this machine's registry.
     """
-    if endpoint.startswith(etcd.SCHEME):
-        options = etcd.parse_url(endpoint)
+    if endpoint.startswith(etcd_config.SCHEME):
+        options = etcd_config.parse_url(endpoint)
         kv = etcd.EtcdKeyValue(options, timeout)
         try:
             kv.check([keys.JOB])
-        except etcd.EtcdUnavailable as exc:
+        except etcd_config.EtcdUnavailable as exc:
             raise NoSuchJob(f"cannot reach the job's etcd at {options.describe()}: {exc}") from None
         return kv
     host, port = parse_endpoint(endpoint)

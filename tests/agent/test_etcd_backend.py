@@ -17,7 +17,8 @@ import pytest
 from conftest import EXAMPLE, FTRUN
 from etcd_members import Cluster
 from ftrun import cli
-from ftrun.store.etcd import EtcdKeyValue, etcd_options
+from ftrun.store.etcd import EtcdKeyValue
+from ftrun.store.etcd_config import etcd_options
 from runs import STEPS, TIMEOUT, TRAINING, agent_of_node, communicate, read_run
 from test_leader_loss import check_survivors
 

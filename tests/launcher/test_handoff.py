@@ -15,7 +15,7 @@ from ftrun.errors import UsageError
 from ftrun.health.signals import Action
 from ftrun.launcher import handoff
 from ftrun.launcher.hosts import Host
-from ftrun.store.etcd import EtcdOptions
+from ftrun.store.etcd_config import EtcdOptions
 
 pytestmark = pytest.mark.fast
 

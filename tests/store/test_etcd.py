@@ -16,7 +16,8 @@ import pytest
 from etcd_members import Cluster, Tls
 from ftrun import cli
 from ftrun.errors import UsageError
-from ftrun.store.etcd import EtcdKeyValue, EtcdOptions, EtcdUnavailable, etcd_options, parse_endpoints, parse_url
+from ftrun.store.etcd import EtcdKeyValue
+from ftrun.store.etcd_config import EtcdOptions, EtcdUnavailable, etcd_options, parse_endpoints, parse_url
 
 
 def client(cluster: Cluster, run_id: str = "job", timeout: float = 5.0) -> EtcdKeyValue:

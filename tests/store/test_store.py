@@ -32,7 +32,8 @@ def served(request):
     returns a function making client JobStores on it (with SECRET, or the secret given; ``wire``: torch-free
     TCPStore client)."""
     if request.param == "etcd":
-        from ftrun.store.etcd import EtcdKeyValue, EtcdOptions, parse_endpoints
+        from ftrun.store.etcd import EtcdKeyValue
+        from ftrun.store.etcd_config import EtcdOptions, parse_endpoints
 
         cluster, run_id = request.getfixturevalue("etcd_cluster"), new_secret()[:16]
         return lambda secret=SECRET, wire=False: JobStore(
