@@ -9,9 +9,12 @@ the followers' leases (NodeLeases) every ``--monitor-interval`` seconds as the a
 plans. Every store call of every simulated agent goes through a counter. Per N it reports:
 
 * idle load: store requests per agent per second over ``--idle`` seconds with nothing to say;
-* plan delivery: the leader sends one message to every follower's box (as it relays a plan to each node),
-  ``--plans`` times; the latency from the start of each broadcast to the moment each follower's reader hands
-  the message on, p50 and p99 over all followers and plans.
+* plan delivery: the leader broadcasts one message to every follower (as it relays a plan: one write,
+  that each follower's reader waits for), ``--plans`` times; the latency from the start of each broadcast to
+  the moment each follower's reader hands the message on, p50 and p99 over all followers and plans; and the
+  CPU time the store's process spent per plan (embedded store only). On one machine the latency is bounded
+  by the CPU all the simulated agents need together; on a cluster each agent has its node's, and what does
+  not spread is the store's one thread.
 
 * leader failover (etcd only: with the embedded store node 0's loss ends the job): the leader renews a lease
   too, and every follower watches it as a follower's agent does (NodeLeases, two looks per timeout). The
@@ -39,11 +42,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import psutil
+
 from ftrun.agent.failover import elect
 from ftrun.store import keys
 from ftrun.store.auth import Seal, new_secret
 from ftrun.store.client import open_client_retrying
-from ftrun.store.etcd import EtcdKeyValue, etcd_options
+from ftrun.store.etcd import EtcdKeyValue
+from ftrun.store.etcd_config import etcd_options
 from ftrun.store.job import JobStore
 from ftrun.store.kv import KeyValue
 from ftrun.store.leases import LeaseKeeper, NodeLeases
@@ -88,18 +94,23 @@ sys.stdin.read()
 """The job's store served as an agent serves it (on the socket StoreHost binds), until standard input ends."""
 
 
-def embedded_store() -> Callable[[], KeyValue]:
+def embedded_store() -> tuple[Callable[[], KeyValue], Callable[[], float] | None]:
     """A TCPStore served by a process of its own, as a job's node 0 serves it (this process then forks the
-    followers' processes with no thread of torch's running); a function making torch-free connections to it."""
+    followers' processes with no thread of torch's running); a function making torch-free connections to it,
+    and one telling the CPU seconds its process has used (the store's one thread, on a real cluster the part
+    of a plan's delivery that does not spread over the nodes)."""
     server = subprocess.Popen([sys.executable, "-c", SERVE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     port = int(server.stdout.readline())
-    return lambda: open_client_retrying("127.0.0.1", port, 10.0, 60.0)
+    process = psutil.Process(server.pid)
+    return (lambda: open_client_retrying("127.0.0.1", port, 10.0, 60.0),
+            lambda: sum(process.cpu_times()[:2]))
 
 
-def etcd_store(endpoints: str, agents: int) -> Callable[[], KeyValue]:
-    """A function making connections to a fresh job's keys in the etcd cluster at ``endpoints``."""
+def etcd_store(endpoints: str, agents: int) -> tuple[Callable[[], KeyValue], Callable[[], float] | None]:
+    """A function making connections to a fresh job's keys in the etcd cluster at ``endpoints`` (its members'
+    CPU time is not measured here: None)."""
     options = etcd_options(endpoints, f"bench-{agents}-{new_secret()[:8]}", {})
-    return lambda: EtcdKeyValue(options, 30.0)
+    return lambda: EtcdKeyValue(options, 30.0), None
 
 
 class Plane:
@@ -337,14 +348,16 @@ def main() -> None:
     print(f"{backend}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; "
           f"--node-timeout {args.node_timeout:g}; followers in {args.processes} processes")
     print(f"{'agents':>7} {'idle requests/agent/s':>22} {'plan p50 ms':>12} {'plan p99 ms':>12} "
-          f"{'failover p50 s':>15} {'failover max s':>15}  idle, by call")
+          f"{'store ms/plan':>14} {'failover p50 s':>15} {'failover max s':>15}  idle, by call")
     for agents in args.agents:
-        plane = Plane(agents, args.node_timeout, etcd_store(args.etcd, agents) if args.etcd else embedded_store(),
-                      args.processes)
+        connect, store_cpu = etcd_store(args.etcd, agents) if args.etcd else embedded_store()
+        plane = Plane(agents, args.node_timeout, connect, args.processes)
         try:
             plane.broadcast(0)  # every reader connected and waiting on its bell
             idle, by_call = plane.idle_load(args.idle, args.monitor_interval)
+            before = store_cpu() if store_cpu else 0.0
             latencies = [t for plan in range(1, args.plans + 1) for t in plane.broadcast(plan)]
+            store_ms = f"{1000 * (store_cpu() - before) / args.plans:>14.1f}" if store_cpu else f"{'-':>14}"
             failover = "{:>15} {:>15}".format("-", "-")
             if args.etcd:
                 took, leaders = plane.failover(args.node_timeout, args.monitor_interval)
@@ -354,7 +367,7 @@ def main() -> None:
         finally:
             plane.close()
         print(f"{agents:>7} {idle:>22.2f} {1000 * statistics.median(latencies):>12.1f} "
-              f"{1000 * percentile(latencies, 0.99):>12.1f} {failover}  "
+              f"{1000 * percentile(latencies, 0.99):>12.1f} {store_ms} {failover}  "
               + " ".join(f"{name} {rate:.2f}" for name, rate in sorted(by_call.items())), flush=True)
     etcd = f" --etcd {args.etcd}" if args.etcd else ""
     print(f"command: python scripts/bench_control_plane.py --agents {' '.join(map(str, args.agents))}{etcd} "
