@@ -54,6 +54,17 @@ def test_the_key_value_operations_on_a_real_member(etcd_cluster):
         kv.wait(["absent"], timedelta(seconds=0.2))
 
 
+def test_batched_reads_and_a_wait_for_whichever_key_comes_first_on_a_real_member(etcd_cluster):
+    kv, writer = client(etcd_cluster, "batch"), client(etcd_cluster, "batch")
+    writer.set_many([("a", b"1"), ("gone", b"x")])
+    assert kv.read_many(["a", "gone", "never"], deleting=["gone"]) == [b"1", None, None]
+    assert kv.wait_any(["bell", "news"], 0.3) == {}
+    timer = threading.Timer(0.2, lambda: writer.set("news", b"hello"))
+    timer.start()
+    assert kv.wait_any(["bell", "news"], 10.0, fetch=["news"]) == {"news": b"hello"}
+    timer.join()
+
+
 def test_a_wait_sees_a_key_written_while_it_watches_and_interrupt_ends_it(etcd_cluster):
     waiter, writer = client(etcd_cluster, "w"), client(etcd_cluster, "w")
     seen = threading.Event()
