@@ -388,11 +388,19 @@ def _read_watch(response: Any, events: queue.SimpleQueue[object]) -> None:
 
 
 def _close_stream(response: Any) -> None:
-    """End a watch stream, unblocking its reader thread (shut the socket down under it, then close)."""
+    """End a watch stream, unblocking its reader thread: shut down the stream's own socket under it, then close.
+
+    The socket is the connection object's (urllib3's), never one made from the stream's file descriptor
+    number: the reader thread may have closed that descriptor already, and its number may by now be another
+    socket of this process's (a worker's, a store's), which a shutdown would cut.
+    """
+    sock = getattr(getattr(response.raw, "_connection", None), "sock", None)
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # closed meanwhile
+            pass
     try:
-        sock = socket.fromfd(response.raw.fileno(), socket.AF_INET, socket.SOCK_STREAM)
-        sock.shutdown(socket.SHUT_RDWR)
-        sock.close()
-    except (OSError, AttributeError, ValueError):
-        pass
-    response.close()
+        response.close()
+    except (OSError, AttributeError, ValueError):  # the reader thread closed it under us (http.client is not
+        pass  # thread-safe): it is closed either way, and the wait's thread must not die of it
