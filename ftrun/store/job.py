@@ -143,6 +143,10 @@ class JobStore:
             items.append((key, self.seal.seal(key, json.dumps(message).encode())))
         items += [(keys.bell(box), b"") for box in dict.fromkeys(box for box, _, _ in messages)
                   if box != keys.BROADCAST]  # the readers of broadcasts wait for the message's key itself
+        broadcasts = [index for box, index, _ in messages if box == keys.BROADCAST]
+        if broadcasts:
+            count = keys.broadcast_count(sender)
+            items.append((count, self.seal.seal(count, json.dumps({"n": broadcasts[-1]}).encode())))
         set_many = getattr(self.kv, "set_many", None)
         if set_many is not None:
             set_many(items)

@@ -93,6 +93,12 @@ BROADCAST = "all"
 written once for all nodes and waited for by each (no bell)."""
 
 
+def broadcast_count(sender: str) -> str:
+    """How many broadcasts ``sender`` has written (sealed): tells a reader that starts late which of them are
+    gone (the sender keeps only its last ones)."""
+    return f"ftrun/mail/{BROADCAST}/{sender}/n"
+
+
 def reply(token: str) -> str:
     """The answer to the command that carried ``reply_to = token``."""
     return f"ftrun/reply/{token}"

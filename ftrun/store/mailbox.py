@@ -188,9 +188,12 @@ class MailReader:
         return messages
 
     def _sender_lane(self, sender: str, shared: bool = False) -> _Lane:
-        box = keys.BROADCAST if shared else self.box
-        return _Lane(lambda i: keys.sent_item(box, sender, i), lambda lane: lane.key(lane.index + 1),
-                     self._next_is_valid, sender=sender, shared=shared)
+        if shared:  # its writer's sealed count of broadcasts: the ones at or below it that are gone were deleted
+            return _Lane(lambda i: keys.sent_item(keys.BROADCAST, sender, i),
+                         lambda lane: keys.broadcast_count(sender), self._broadcasts_written, sender=sender,
+                         shared=True)
+        return _Lane(lambda i: keys.sent_item(self.box, sender, i), lambda lane: lane.key(lane.index + 1),
+                     self._next_is_valid, sender=sender)
 
     def _run(self) -> None:
         retry = 0.0  # seconds before the next attempt to reach the store
@@ -260,6 +263,8 @@ class MailReader:
         """Whether ``lane``, just moved on, may hold its next message already: its probe, read for the index it
         left, shows a writer past that one (an agent's next key holds something, or the clients' counter is at
         the new index)."""
+        if lane.shared:
+            return self._broadcasts_written(store, lane, probed) >= lane.index
         if lane.sender:
             return probed is not None
         return self._counter_passed(store, lane, probed) >= lane.index
@@ -290,6 +295,10 @@ class MailReader:
                 self.last_dropped = problem
         if lane.passed_since is None:  # looked at each time the bell rings, or the reader's wait ends
             lane.passed_upto = lane.passed(store, lane, probed)
+            if lane.shared and lane.passed_upto - KEPT_BROADCASTS >= lane.index:  # deleted: skip them at once
+                lane.index = lane.passed_upto - KEPT_BROADCASTS + 1
+                lane.held_since = None
+                return True
             if lane.passed_upto >= lane.index:
                 lane.passed_since = now
         elif now - lane.passed_since >= OVERWRITE_GRACE:
@@ -315,6 +324,17 @@ class MailReader:
         """How many command indices clients took (the counter's value is read, never added to: ``add`` on a
         counter that holds no number makes the store drop the connection)."""
         return int(taken) if taken is not None and taken.isdigit() and len(taken) < 20 else 0
+
+    def _broadcasts_written(self, store: JobStore, lane: _Lane, count: bytes | None) -> int:
+        """How many broadcasts ``lane``'s sender wrote, by its sealed count (0 when there is none, or it is not
+        one the sender sealed): a reader that starts late gives up the ones already deleted."""
+        if count is None:
+            return 0
+        try:
+            written = store.open_mail(keys.broadcast_count(lane.sender), count).get("n")
+        except MalformedValue:
+            return 0
+        return written if isinstance(written, int) else 0
 
     def _next_is_valid(self, store: JobStore, lane: _Lane, behind: bytes | None) -> int:
         """``lane``'s index when the agent's next message waits behind it (an agent writes in order), else 0."""

@@ -179,6 +179,36 @@ def test_a_broadcast_is_written_once_for_every_reader_and_the_sender_deletes_old
 
 
 @pytest.mark.fast
+def test_a_reader_that_starts_late_skips_the_deleted_broadcasts_and_reads_the_kept_ones(served, monkeypatch):
+    from ftrun.store import mailbox
+
+    monkeypatch.setattr(mailbox, "KEPT_BROADCASTS", 2)
+    store = served()
+    outbox = Outbox(store, "node1")
+    for gen in range(5):  # 1 to 3 are deleted by the time the reader starts
+        outbox.broadcast({"t": "plan", "gen": gen})
+    wake_r, wake_w = os.pipe()
+    reader = MailReader(lambda: served(wire=True), "node6", wake_w, broadcasts=("node1",))
+    reader.start()
+    try:
+        received: list[dict] = []
+        while len(received) < 2:
+            assert select.select([wake_r], [], [], 10)[0], "no wake-up within 10 s"
+            os.read(wake_r, 64)
+            received += reader.take()
+        outbox.broadcast({"t": "plan", "gen": 5})
+        while len(received) < 3:
+            assert select.select([wake_r], [], [], 10)[0], "no wake-up within 10 s"
+            os.read(wake_r, 64)
+            received += reader.take()
+        assert [m["gen"] for m in received] == [3, 4, 5]
+    finally:
+        reader.stop()
+        os.close(wake_r)
+        os.close(wake_w)
+
+
+@pytest.mark.fast
 def test_a_message_sent_after_a_broadcast_is_handed_on_after_it(served, broadcast_readers):
     """A message to the box that names a broadcast not read yet waits for it: the box's message can be seen
     first (it is written after, but a look may read it before the broadcast's wait answers)."""
