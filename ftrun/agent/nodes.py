@@ -28,11 +28,15 @@ def relay_mail(uid: int, data: bytes) -> tuple[str, dict[str, Any]]:
     return keys.node_box(node_of(uid)), {"t": protocol.RELAY, "data": data.decode(), "uid": uid}
 
 
-def mail(outbox: Outbox, messages: list[tuple[str, dict[str, Any]]]) -> None:
-    """Send the leader's mail; dropped while the store does not answer (an etcd cluster can be unreachable
-    from node 0): a lasting loss is the leases' business, on both sides."""
+def mail(outbox: Outbox, messages: list[tuple[str, dict[str, Any]]], broadcast: dict[str, Any] | None = None
+         ) -> None:
+    """Send the leader's mail (or ``broadcast`` it to every node); dropped while the store does not answer (an
+    etcd cluster can be unreachable from node 0): a lasting loss is the leases' business, on both sides."""
     try:
-        outbox.send_many(messages)
+        if broadcast is not None:
+            outbox.broadcast(broadcast)
+        if messages:
+            outbox.send_many(messages)
     except RuntimeError:
         pass
 
@@ -233,10 +237,7 @@ class RemoteNodes:
         """Relay the same control message to each of these workers of other nodes, through their agents: one
         broadcast, written once whatever the number of nodes (a plan; each node hands it to its workers among
         ``workers``)."""
-        try:
-            self.outbox.broadcast({"t": protocol.RELAY_ALL, "data": data.decode(), "uids": [w.uid for w in workers]})
-        except RuntimeError:
-            pass  # as mail(): a lasting loss is the leases' business
+        mail(self.outbox, [], {"t": protocol.RELAY_ALL, "data": data.decode(), "uids": [w.uid for w in workers]})
 
     def end(self, reason: str | None, restart: int | None) -> None:
         """Tell every other node how the leader's attempt ended: it succeeded (``reason`` None), the group

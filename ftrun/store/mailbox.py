@@ -124,7 +124,7 @@ class MailReader:
 
     A broadcast is read where its sender wrote it once for every node, and left there. The reader waits for
     its bell and for the next broadcast at once (on a backend that can), so a broadcast costs each reader its
-    wait's answer and one look. A sender's message to the box is handed on after every broadcast it sent
+    wait's answer and one read, with no look. A sender's message to the box is handed on after every broadcast it sent
     before it: each look reads the box's lanes before the broadcasts, and a message that names a broadcast
     not yet read waits for it (:data:`OVERWRITE_GRACE` seconds at most).
     """
@@ -236,27 +236,24 @@ class MailReader:
                 for since in (lane.passed_since, lane.held_since) if since is not None]
         return max(0.0, min([IDLE_WAIT, *ends]))
 
-    def _look(self, store: JobStore, now: float, broadcasts_only: bool = False) -> bool:
-        """One look at every lane (only the broadcasts' after a wake by a broadcast alone), in one store call
-        that first deletes what earlier looks took: hand on the message at each lane's index, or give the
-        index up; whether to look again before waiting (a lane moved on, and its writers may be past its new
-        index too). What a look took is deleted with the next, so a message costs its reader one round trip
-        besides the wait. The box's lanes are read before the broadcasts and handed on after them: a
-        message to the box that was written after a broadcast is never seen without it."""
-        box = [] if broadcasts_only else [lane for lane in self._lanes if not lane.shared]
-        shared = [lane for lane in self._lanes if lane.shared]
-        wanted = {id(lane): [lane.key(lane.index)] + ([lane.probe(lane)] if lane.passed_since is None else [])
-                  for lane in [*box, *shared]}
-        values = iter(store.look_at_mail(self._discard, [key for keys_ in wanted.values() for key in keys_]))
+    def _look(self, store: JobStore, now: float) -> bool:
+        """One look at every lane, in one store call that first deletes what earlier looks took: hand on the
+        message at each lane's index, or give the index up; whether to look again before waiting (a lane moved
+        on, and its writers may be past its new index too). What a look took is deleted with the next, so a
+        message costs its reader one round trip besides the wait. The box's lanes are read before the
+        broadcasts and handed on after them: a message to the box that was written after a broadcast is never
+        seen without it."""
+        lanes = [lane for lane in self._lanes if not lane.shared] + [lane for lane in self._lanes if lane.shared]
+        wanted = [[lane.key(lane.index)] + ([lane.probe(lane)] if lane.passed_since is None else [])
+                  for lane in lanes]
+        values = iter(store.look_at_mail(self._discard, [key for keys_ in wanted for key in keys_]))
         self._discard = []
-        read = {id(lane): (next(values), next(values) if len(keys_) > 1 else None)
-                for lane, keys_ in zip([*box, *shared], wanted.values())}
+        looked = [(lane, keys_[0], next(values), next(values) if len(keys_) > 1 else None, len(keys_) > 1)
+                  for lane, keys_ in zip(lanes, wanted)]
         again = False
-        for lane in [*shared, *box]:
-            keys_ = wanted[id(lane)]
-            value, probed = read[id(lane)]
-            if self._pump(store, lane, keys_[0], value, probed, now):
-                again = again or len(keys_) == 1 or self._more_behind(store, lane, probed)
+        for lane, key, value, probed, was_probed in sorted(looked, key=lambda entry: not entry[0].shared):
+            if self._pump(store, lane, key, value, probed, now):
+                again = again or not was_probed or self._more_behind(store, lane, probed)
         return again
 
     def _more_behind(self, store: JobStore, lane: _Lane, probed: bytes | None) -> bool:

@@ -223,7 +223,7 @@ class StoreClient:
                     for waiter in waiters:
                         if waiter.sock in ready:
                             waiter.take_answer(deadline)
-                came = {key: waiter.fetch(deadline) if key in fetch else None
+                came = {key: waiter.fetch(key, deadline) if key in fetch else None
                         for key, waiter in zip(keys, waiters) if waiter.fired}
                 for waiter in waiters:
                     if waiter.fired:
@@ -404,9 +404,7 @@ class _Waiter:
         """Wait for ``key`` (withdrawing the WAIT pending for another key, unless it came meanwhile)."""
         client = self.client
         if self.key is not None:
-            client._send(bytes([Query.CANCEL_WAIT]), deadline)
-            if client._recv_byte(deadline) == STOP_WAITING:  # it came: its cancel's acknowledgement follows
-                client._recv_byte(deadline)
+            client._cancel_wait()  # closes the connection when it fails: the WAIT below then raises
         client._send(bytes([Query.WAIT]) + client._keys([key]), deadline)
         self.key, self.fired = key, False
 
@@ -416,10 +414,7 @@ class _Waiter:
             raise StoreError("unexpected answer to WAIT")
         self.fired = True
 
-    def fetch(self, deadline: float) -> bytes:
-        """The value of the key whose WAIT answered (none is pending after this: the next wait arms one)."""
-        client, key = self.client, self.key
-        self.key = None
-        if key is None:
-            raise StoreError("no key to fetch")
+    def fetch(self, key: str, deadline: float) -> bytes:
+        """The value of ``key``, whose WAIT answered."""
+        client = self.client
         return client._call(bytes([Query.GET]) + client._key(key), deadline, client._recv_blob)
