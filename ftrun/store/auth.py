@@ -11,7 +11,6 @@ Workers never need the secret: their plans come from their own agent over their 
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import os
 import secrets
@@ -75,7 +74,7 @@ class Seal:
         self._key = secret.encode()
 
     def _mac(self, key: str, payload: bytes) -> bytes:
-        return hmac.new(self._key, key.encode() + b"\0" + payload, hashlib.sha256).hexdigest().encode()
+        return hmac.digest(self._key, key.encode() + b"\0" + payload, "sha256").hex().encode()  # C's one-shot
 
     def seal(self, key: str, payload: bytes) -> bytes:
         """``payload`` as stored under ``key``: its MAC, then itself."""

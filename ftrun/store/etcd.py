@@ -30,7 +30,7 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -191,10 +191,12 @@ class EtcdKeyValue:
         transaction (up to TXN_PUTS operations; a longer list takes more)."""
         return self._read_many(keys, deleting)[0]
 
-    def wait_any(self, keys: Sequence[str], timeout: float, fetch: Sequence[str] = ()) -> dict[str, bytes | None]:
+    def wait_any(self, keys: Sequence[str], timeout: float, fetch: Sequence[str] = (),
+                 then: Mapping[str, str] | None = None) -> dict[str, bytes | None]:
         """Return once one of ``keys`` exists, or after ``timeout`` s: the keys seen set (none: empty), with their
         values (each read is the whole key). One read of them all, then a watch on each from that read's
-        revision (a write in between is not missed)."""
+        revision (a write in between is not missed; each call starts its own watches, so ``then`` is not
+        needed)."""
         deadline = time.monotonic() + timeout
         while True:
             values, revision = self._read_many(keys, ())

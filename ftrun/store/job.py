@@ -160,16 +160,17 @@ class JobStore:
         value anyone writes there wakes the reader, nothing more."""
         self.kv.set(keys.bell(box), b"")
 
-    def await_ring(self, box: str, timeout: float, also: list[str]) -> dict[str, bytes | None]:
-        """Wait up to ``timeout`` s for ``box``'s bell, or for one of the keys ``also`` (the next broadcasts):
-        the keys seen set (none: empty), with the raw value of each of ``also`` that came. The reader deletes
+    def await_ring(self, box: str, timeout: float, also: dict[str, str]) -> dict[str, bytes | None]:
+        """Wait up to ``timeout`` s for ``box``'s bell, or for one of the keys ``also`` (the next broadcasts,
+        each to the one after it, which the backend may start waiting for as it reads it): the keys seen set
+        (none: empty), with the raw value of each of ``also`` that came. The reader deletes
         the bell with its next look (:meth:`look_at_mail`). A backend that cannot wait for several keys at
         once waits for the bell alone (the broadcasts are then read when it rings, or at the timeout). A store
         that stopped answering looks like silence here and raises at the caller's next call."""
         bell = keys.bell(box)
         try:
             if also and self._batching:
-                return self.kv.wait_any([bell, *also], timeout, also)  # type: ignore[attr-defined]
+                return self.kv.wait_any([bell, *also], timeout, list(also), also)  # type: ignore[attr-defined]
             self.kv.wait([bell], timedelta(seconds=timeout))
         except RuntimeError:
             return {}

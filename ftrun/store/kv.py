@@ -8,7 +8,7 @@ answering now".
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Protocol, runtime_checkable
 
@@ -44,9 +44,11 @@ class BatchingKeyValue(KeyValue, Protocol):
     def read_many(self, keys: Sequence[str], deleting: Sequence[str] = ()) -> list[bytes | None]:
         """Delete the keys in ``deleting``, then the value of each of ``keys`` (None where absent)."""
 
-    def wait_any(self, keys: Sequence[str], timeout: float, fetch: Sequence[str] = ()) -> dict[str, bytes | None]:
+    def wait_any(self, keys: Sequence[str], timeout: float, fetch: Sequence[str] = (),
+                 then: Mapping[str, str] | None = None) -> dict[str, bytes | None]:
         """Return once one of ``keys`` exists, or after ``timeout`` s: the keys seen set (none: empty), with the
-        values of those in ``fetch`` (the others' may be None)."""
+        values of those in ``fetch`` (the others' may be None). ``then`` names, for a key to fetch, the key
+        the next wait will likely want in its place (a backend may start that wait now)."""
 
 
 @runtime_checkable

@@ -219,7 +219,7 @@ class MailReader:
         while not self._stop.is_set():
             shared = [lane for lane in self._lanes if lane.shared]
             came = store.await_ring(self.box, self._quiet_for(time.monotonic()),
-                                    [lane.key(lane.index) for lane in shared])
+                                    {lane.key(lane.index): lane.key(lane.index + 1) for lane in shared})
             now = time.monotonic()
             for lane in shared:
                 key = lane.key(lane.index)

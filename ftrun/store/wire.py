@@ -29,7 +29,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from enum import IntEnum
 from typing import TypeVar
@@ -113,6 +113,7 @@ class StoreClient:
         self.timeout = timeout
         self._lock = threading.Lock()
         self._received = bytearray()  # answers read from the socket and not yet taken
+        self._asked = False  # a query went out since the last read: its answer is a round trip away
         self._waiters: list[_Waiter] = []  # the connections wait_any waits on, one per key it waits for
         patience = timeout if connect_timeout is None else connect_timeout
         deadline = time.monotonic() + patience
@@ -123,6 +124,9 @@ class StoreClient:
         except OSError as exc:
             raise StoreError(exc.strerror or str(exc)) from None
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock.setblocking(False)  # each call tries its read or write at once, and waits only when it must
+        self._poller = select.poll()
+        self._poller.register(self._sock, select.POLLIN)
         nonce = random.getrandbits(32)
         try:
             self._send(bytes([Query.VALIDATE]) + _U32.pack(MAGIC) + bytes([Query.PING]) + _U32.pack(nonce), deadline)
@@ -201,7 +205,8 @@ class StoreClient:
         """Return once every one of ``keys`` is set; StoreTimeout if they are not within the timeout."""
         self._wait(keys, self._deadline(timeout))
 
-    def wait_any(self, keys: Sequence[str], timeout: float, fetch: Sequence[str] = ()) -> dict[str, bytes | None]:
+    def wait_any(self, keys: Sequence[str], timeout: float, fetch: Sequence[str] = (),
+                 then: Mapping[str, str] | None = None) -> dict[str, bytes | None]:
         """Return once one of ``keys`` is set, or after ``timeout`` s: the keys seen set (none: empty), each
         with its value where it is in ``fetch`` (None for the others).
 
@@ -209,9 +214,11 @@ class StoreClient:
         connection holds one WAIT), opened at the first call and kept: a WAIT still pending when this returns
         stays armed, and a later call for the same key finds it there, so waiting again for a key that did not
         come (a mailbox's bell, while a broadcast came) costs the store nothing. A key to fetch is read on its
-        own connection as soon as its WAIT answers. The main connection stays free for other calls.
+        own connection as soon as its WAIT answers, and the WAIT for its successor in ``then`` (the next
+        broadcast) goes in the same write: the next call finds it armed. The main connection stays free.
         """
         deadline = self._deadline(timeout)
+        successors = then or {}
         with self._lock:
             try:
                 waiters = [self._waiter(slot, key, deadline) for slot, key in enumerate(keys)]
@@ -219,19 +226,24 @@ class StoreClient:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         return {}
-                    ready, _, _ = select.select([w.sock for w in waiters], [], [], left)
+                    poller = select.poll()  # not select: it takes no descriptor past 1,023
                     for waiter in waiters:
-                        if waiter.sock in ready:
+                        poller.register(waiter.sock, select.POLLIN)
+                    ready = {fd for fd, _ in poller.poll(left * 1000)}
+                    for waiter in waiters:
+                        if waiter.sock.fileno() in ready:
+                            waiter.client._asked = False  # its answer is there
                             waiter.take_answer(deadline)
-                came = {key: waiter.fetch(key, deadline) if key in fetch else None
-                        for key, waiter in zip(keys, waiters) if waiter.fired}
-                for waiter in waiters:
-                    if waiter.fired:
-                        waiter.key = None  # armed again at the next wait for it
+                came: dict[str, bytes | None] = {}
+                for key, waiter in zip(keys, waiters):
+                    if waiter.fired and key in fetch:
+                        came[key] = waiter.fetch(key, successors.get(key), deadline)  # armed for the successor
+                    elif waiter.fired:
+                        came[key], waiter.key = None, None  # armed again at the next wait for it
+                return came
             except (StoreError, OSError, ValueError) as exc:  # a connection went away (or was shut down)
                 self.close()
                 raise exc if isinstance(exc, StoreError) else StoreError(f"the store went away ({exc})") from None
-            return came
 
     def _waiter(self, slot: int, key: str, deadline: float) -> _Waiter:
         """The connection for the ``slot``-th key of :meth:`wait_any`, waiting for ``key`` (the lock is held)."""
@@ -340,23 +352,33 @@ class StoreClient:
         return _U64.pack(len(keys)) + b"".join(self._key(k) for k in keys)
 
     def _send(self, data: bytes, deadline: float) -> None:
-        sock = self._open_socket(deadline)
-        try:
-            sock.sendall(data)
-        except socket.timeout:
-            raise StoreTimeout("the store did not take the query in time") from None
-        except OSError as exc:
-            raise StoreError(f"the store went away ({exc.strerror or exc})") from None
+        """Write ``data`` before the deadline: at once where the socket takes it (a query always fits), else as
+        the socket drains."""
+        view = memoryview(data)
+        while view:
+            sock = self._socket()
+            try:
+                view = view[sock.send(view):]
+                self._asked = True
+            except BlockingIOError:
+                self._await_socket(sock, select.POLLOUT, deadline, "the store did not take the query in time")
+            except OSError as exc:
+                raise StoreError(f"the store went away ({exc.strerror or exc})") from None
 
     def _recv(self, size: int, deadline: float) -> bytes:
         """The next ``size`` bytes of the server's answers: from what an earlier read took in beyond its own
-        answer, then from the socket, in reads as large as the socket has (few system calls for a batch)."""
+        answer, then from the socket, in reads as large as the socket has (few system calls for a batch; none
+        spent waiting when the answer is there already)."""
         while len(self._received) < size:
-            sock = self._open_socket(deadline)
+            sock = self._socket()
+            if self._asked:  # no answer yet to read: wait for it before reading, not after a read that finds none
+                self._await_socket(sock, select.POLLIN, deadline, "no answer in time")
+                self._asked = False
             try:
                 chunk = sock.recv(RECV_SIZE)
-            except socket.timeout:
-                raise StoreTimeout("no answer in time") from None
+            except BlockingIOError:
+                self._asked = True
+                continue
             except OSError as exc:
                 raise StoreError(f"the store went away ({exc.strerror or exc})") from None
             if not chunk:
@@ -366,15 +388,21 @@ class StoreClient:
         del self._received[:size]
         return data
 
-    def _open_socket(self, deadline: float) -> socket.socket:
-        """The socket, with a timeout of what is left until the deadline."""
+    def _socket(self) -> socket.socket:
         if self._sock is None:
             raise StoreError("the connection is closed")
+        return self._sock
+
+    def _await_socket(self, sock: socket.socket, event: int, deadline: float, late: str) -> None:
+        """Wait until ``sock`` is ready for ``event`` (or hung up: the next call says how), StoreTimeout with
+        ``late`` once the deadline passes. A poll, not a select: a process with many connections has
+        descriptors past select's limit."""
         left = deadline - time.monotonic()
         if left <= 0:
-            raise StoreTimeout("no answer in time")
-        self._sock.settimeout(left)
-        return self._sock
+            raise StoreTimeout(late)
+        self._poller.modify(sock, event)
+        if not self._poller.poll(left * 1000):
+            raise StoreTimeout(late)
 
     def _recv_byte(self, deadline: float) -> int:
         return self._recv(1, deadline)[0]
@@ -414,7 +442,12 @@ class _Waiter:
             raise StoreError("unexpected answer to WAIT")
         self.fired = True
 
-    def fetch(self, key: str, deadline: float) -> bytes:
-        """The value of ``key``, whose WAIT answered."""
+    def fetch(self, key: str, successor: str | None, deadline: float) -> bytes:
+        """The value of ``key``, whose WAIT answered; the WAIT for ``successor`` is sent with the read."""
         client = self.client
-        return client._call(bytes([Query.GET]) + client._key(key), deadline, client._recv_blob)
+        query = bytes([Query.GET]) + client._key(key)
+        self.key = successor
+        if successor is not None:
+            query += bytes([Query.WAIT]) + client._keys([successor])
+            self.fired = False
+        return client._call(query, deadline, client._recv_blob)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import http.server
+import resource
+import select
 import socket
 import threading
 import time
@@ -150,6 +152,41 @@ def test_wait_any_returns_the_key_that_came_with_its_value_and_keeps_the_other_w
         torch_client.set("bell", b"")
         assert client.wait_any(["bell", "later"], 5.0, fetch=["later"]) == {"bell": None}
         assert client.set("k", b"v") is None and client.get("k") == b"v"  # the main connection stayed free
+
+
+@pytest.mark.fast
+def test_the_wait_for_a_fetched_keys_successor_goes_out_with_the_read(server):
+    master, torch_client = server
+    with StoreClient("127.0.0.1", master.port, 5.0) as client:
+        torch_client.set("news/1", b"first")
+        assert client.wait_any(["bell", "news/1"], 5.0, fetch=["news/1"], then={"news/1": "news/2"}) == {
+            "news/1": b"first"}
+        torch_client.set("news/2", b"second")
+        news_connection = client._waiters[1].client._sock
+        assert select.select([news_connection], [], [], 5.0)[0]  # its WAIT for news/2 was out already: it answered
+        assert client.wait_any(["bell", "news/2"], 5.0, fetch=["news/2"]) == {"news/2": b"second"}
+        torch_client.set("bell", b"")
+        assert client.wait_any(["bell", "news/3"], 5.0, fetch=["news/3"]) == {"bell": None}  # another key: re-armed
+
+
+@pytest.mark.fast
+def test_waits_and_calls_work_with_descriptors_past_selects_limit(server):
+    master, torch_client = server
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200:
+        if hard != resource.RLIM_INFINITY and hard < 1200:
+            pytest.skip(f"this process may open {hard} descriptors at most")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1200 if hard == resource.RLIM_INFINITY else min(hard, 4096), hard))
+    filler = [socket.socket() for _ in range(1100)]  # the connections below get descriptors past 1,023
+    try:
+        with StoreClient("127.0.0.1", master.port, 5.0) as client:
+            assert client._sock.fileno() > 1023
+            torch_client.set("news", b"hello")
+            assert client.wait_any(["bell", "news"], 5.0, fetch=["news"]) == {"news": b"hello"}
+            assert client.get("news") == b"hello" and client.read_many(["news", "none"]) == [b"hello", None]
+    finally:
+        for sock in filler:
+            sock.close()
 
 
 @pytest.mark.fast
