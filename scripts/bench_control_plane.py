@@ -12,7 +12,8 @@ plans. Every store call of every simulated agent goes through a counter. Per N i
 * plan delivery: the leader broadcasts one message to every follower (as it relays a plan: one write,
   that each follower's reader waits for), ``--plans`` times; the latency from the start of each broadcast to
   the moment each follower's reader hands the message on, p50 and p99 over all followers and plans; and the
-  CPU time the store's process spent per plan (embedded store only). On one machine the latency is bounded
+  CPU time the store's process spent per plan (embedded store only), and the CPU time the whole machine
+  spent per plan (every simulated agent, the store and the kernel). On one machine the latency is bounded
   by the CPU all the simulated agents need together; on a cluster each agent has its node's, and what does
   not spread is the store's one thread.
 
@@ -324,6 +325,12 @@ class Follower:
         os.close(self.results)
 
 
+def busy_cpu() -> float:
+    """CPU seconds this machine's cores have spent busy (every process, the kernel's work included)."""
+    times = psutil.cpu_times()
+    return sum(times) - times.idle - getattr(times, "iowait", 0.0)
+
+
 def percentile(values: list[float], fraction: float) -> float:
     """The value below which ``fraction`` of ``values`` lie (nearest rank)."""
     ordered = sorted(values)
@@ -348,15 +355,16 @@ def main() -> None:
     print(f"{backend}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; "
           f"--node-timeout {args.node_timeout:g}; followers in {args.processes} processes")
     print(f"{'agents':>7} {'idle requests/agent/s':>22} {'plan p50 ms':>12} {'plan p99 ms':>12} "
-          f"{'store ms/plan':>14} {'failover p50 s':>15} {'failover max s':>15}  idle, by call")
+          f"{'store ms/plan':>14} {'machine ms/plan':>16} {'failover p50 s':>15} {'failover max s':>15}  idle, by call")
     for agents in args.agents:
         connect, store_cpu = etcd_store(args.etcd, agents) if args.etcd else embedded_store()
         plane = Plane(agents, args.node_timeout, connect, args.processes)
         try:
             plane.broadcast(0)  # every reader connected and waiting on its bell
             idle, by_call = plane.idle_load(args.idle, args.monitor_interval)
-            before = store_cpu() if store_cpu else 0.0
+            before, machine_before = (store_cpu() if store_cpu else 0.0), busy_cpu()
             latencies = [t for plan in range(1, args.plans + 1) for t in plane.broadcast(plan)]
+            machine_ms = 1000 * (busy_cpu() - machine_before) / args.plans
             store_ms = f"{1000 * (store_cpu() - before) / args.plans:>14.1f}" if store_cpu else f"{'-':>14}"
             failover = "{:>15} {:>15}".format("-", "-")
             if args.etcd:
@@ -367,7 +375,7 @@ def main() -> None:
         finally:
             plane.close()
         print(f"{agents:>7} {idle:>22.2f} {1000 * statistics.median(latencies):>12.1f} "
-              f"{1000 * percentile(latencies, 0.99):>12.1f} {store_ms} {failover}  "
+              f"{1000 * percentile(latencies, 0.99):>12.1f} {store_ms} {machine_ms:>16.1f} {failover}  "
               + " ".join(f"{name} {rate:.2f}" for name, rate in sorted(by_call.items())), flush=True)
     etcd = f" --etcd {args.etcd}" if args.etcd else ""
     print(f"command: python scripts/bench_control_plane.py --agents {' '.join(map(str, args.agents))}{etcd} "
