@@ -232,7 +232,6 @@ class StoreClient:
                     ready = {fd for fd, _ in poller.poll(left * 1000)}
                     for waiter in waiters:
                         if waiter.sock.fileno() in ready:
-                            waiter.client._asked = False  # its answer is there
                             waiter.take_answer(deadline)
                 came: dict[str, bytes | None] = {}
                 for key, waiter in zip(keys, waiters):
@@ -361,7 +360,7 @@ class StoreClient:
                 view = view[sock.send(view):]
                 self._asked = True
             except BlockingIOError:
-                self._await_socket(sock, select.POLLOUT, deadline, "the store did not take the query in time")
+                self._await_socket(select.POLLOUT, deadline, "the store did not take the query in time")
             except OSError as exc:
                 raise StoreError(f"the store went away ({exc.strerror or exc})") from None
 
@@ -372,7 +371,7 @@ class StoreClient:
         while len(self._received) < size:
             sock = self._socket()
             if self._asked:  # no answer yet to read: wait for it before reading, not after a read that finds none
-                self._await_socket(sock, select.POLLIN, deadline, "no answer in time")
+                self._await_socket(select.POLLIN, deadline, "no answer in time")
                 self._asked = False
             try:
                 chunk = sock.recv(RECV_SIZE)
@@ -393,14 +392,14 @@ class StoreClient:
             raise StoreError("the connection is closed")
         return self._sock
 
-    def _await_socket(self, sock: socket.socket, event: int, deadline: float, late: str) -> None:
-        """Wait until ``sock`` is ready for ``event`` (or hung up: the next call says how), StoreTimeout with
+    def _await_socket(self, event: int, deadline: float, late: str) -> None:
+        """Wait until the socket is ready for ``event`` (or hung up: the next call says how), StoreTimeout with
         ``late`` once the deadline passes. A poll, not a select: a process with many connections has
         descriptors past select's limit."""
         left = deadline - time.monotonic()
         if left <= 0:
             raise StoreTimeout(late)
-        self._poller.modify(sock, event)
+        self._poller.modify(self._socket(), event)
         if not self._poller.poll(left * 1000):
             raise StoreTimeout(late)
 
@@ -438,6 +437,7 @@ class _Waiter:
 
     def take_answer(self, deadline: float) -> None:
         """Read the answer of the pending WAIT (the socket is readable): its key is set."""
+        self.client._asked = False  # the answer is there: read it without waiting first
         if self.client._recv_byte(deadline) != STOP_WAITING:
             raise StoreError("unexpected answer to WAIT")
         self.fired = True
