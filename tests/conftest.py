@@ -6,13 +6,16 @@ marked ``fast`` (``python -m pytest -m fast`` runs them alone, in well under a m
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from runs import COMMIT, HELD_STEPS, HELD_TRAINING, NPROC, TIMEOUT, TRAINING, Run, fault_free, read_run
 
@@ -240,27 +243,46 @@ def launch(run_ftrun, workload, tmp_path_factory):
     return run
 
 
+def shared_losses(tmp_path_factory: pytest.TempPathFactory, name: str,
+                  run: Callable[[], dict[int, float]]) -> dict[int, float]:
+    """A fault-free run's losses, run once for the whole session: the first pytest-xdist worker to ask runs it
+    (the others wait on its lock) and leaves the losses in the session's shared temporary directory (JSON
+    keeps a float's every bit)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's directory: each xdist worker's basetemp is a directory in it
+    path = root / f"{name}.json"
+    with FileLock(root / f"{name}.lock"):
+        if not path.exists():
+            path.write_text(json.dumps(run()))
+        return {int(step): loss for step, loss in json.loads(path.read_text()).items()}
+
+
 @pytest.fixture(scope="session")
-def baseline(launch) -> dict[int, float]:
+def baseline(launch, tmp_path_factory) -> dict[int, float]:
     """The fault-free run's loss per step (every rank prints the same, all-reduced loss)."""
-    return fault_free(launch())
+    return shared_losses(tmp_path_factory, "baseline", lambda: fault_free(launch()))
 
 
 @pytest.fixture(scope="session")
-def fsdp_baseline(launch) -> dict[int, float]:
+def fsdp_baseline(launch, tmp_path_factory) -> dict[int, float]:
     """The fault-free run's loss per step of the FSDP2 example (examples/train_fsdp.py)."""
-    return fault_free(launch(example="train_fsdp"))
+    return shared_losses(tmp_path_factory, "fsdp_baseline", lambda: fault_free(launch(example="train_fsdp")))
 
 
 @pytest.fixture(scope="session")
-def held_baseline(run_ftrun, workload) -> dict[int, float]:
+def held_baseline(run_ftrun, workload, tmp_path_factory) -> dict[int, float]:
     """The fault-free loss per step of held_train.py's training (HELD_TRAINING, 4 workers, not held)."""
-    result = run_ftrun("--nproc-per-node", NPROC, workload("held_train.py"), *HELD_TRAINING, timeout=TIMEOUT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    losses = {}
-    for line in result.stdout.splitlines():
-        match = COMMIT.search(line)
-        if match and match[1] == "0":
-            losses[int(match[4])] = float(match[5])
-    assert sorted(losses) == list(range(HELD_STEPS))
-    return losses
+
+    def run() -> dict[int, float]:
+        result = run_ftrun("--nproc-per-node", NPROC, workload("held_train.py"), *HELD_TRAINING, timeout=TIMEOUT)
+        assert result.returncode == 0, result.stderr[-3000:]
+        losses = {}
+        for line in result.stdout.splitlines():
+            match = COMMIT.search(line)
+            if match and match[1] == "0":
+                losses[int(match[4])] = float(match[5])
+        assert sorted(losses) == list(range(HELD_STEPS))
+        return losses
+
+    return shared_losses(tmp_path_factory, "held_baseline", run)
