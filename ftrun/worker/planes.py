@@ -97,6 +97,7 @@ class Planes:
         self.current: Generation | None = None
         self._lock = threading.Lock()
         self._aborted: list[Generation] = []  # stale generations waiting to be released
+        self._moved_to = ""  # the store address the last plan that named one named ("": none yet)
 
     @property
     def stale(self) -> bool:
@@ -125,7 +126,10 @@ class Planes:
         A plan that asks for a probe first checks every link among its members; :class:`LinkFailure`
         (and nothing formed) if one does not connect.
         """
-        if plan.store and plan.store != f"{self.store.host}:{self.store.port}":
+        if plan.store and plan.store != self._moved_to:
+            # a new leader's store, even at the old one's address: one freed a moment ago on the same machine
+            # is the kernel's likely pick for a new port, and the old connection there is dead
+            self._moved_to = plan.store
             self._move(*split_address(plan.store))
         if plan.probe:
             links.probe(self.store, self.prober, self.uid, plan.members,

@@ -23,6 +23,8 @@ import torch.distributed as dist
 from runs import read_run
 
 from ftrun.protocol import STACK_DUMP_SIGNAL, Plan
+from ftrun.store import keys
+from ftrun.store.client import open_client
 from ftrun.worker import backends
 from ftrun.worker.planes import Planes
 
@@ -100,6 +102,28 @@ def test_the_next_generation_forms_while_the_last_ones_abort_still_runs(free_por
         released.set()
         planes.destroy()
 
+
+
+@pytest.mark.fast
+def test_a_new_leaders_store_at_the_lost_ones_address_is_connected_to_afresh(free_port):
+    # the lost leader's store ends with its node; a new leader on the same machine may get the very port it
+    # freed (the kernel's likely pick), so the plan names the same address: the old connection is dead all
+    # the same, and the next generation must form through a new one
+    port = free_port()
+    lost = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    planes = Planes(open_client("127.0.0.1", port, 30), attempt=0, uid=0, backend="gloo",
+                    timeout=timedelta(seconds=30))
+    try:
+        planes.form(Plan(0, [0]), lambda: False)
+        del lost  # its server goes with it, and every connection to it
+        elected = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+        planes.abort()
+        planes.form(Plan(1, [0], store=f"127.0.0.1:{port}"), lambda: False)
+        summed = torch.ones(2)
+        dist.all_reduce(summed)
+        assert summed.tolist() == [1.0, 1.0] and elected.check([keys.arrived(0, 1, 0)])
+    finally:
+        planes.destroy()
 
 # ------------------------------------------------------------------------------ nothing leaks
 CYCLE = re.compile(r"commit uid=(\d+) step=(\d+) gen=(\d+) fds=(\d+) threads=(\d+)$")
