@@ -1,8 +1,8 @@
 """Nodes that join a running job (``--nnodes MIN:MAX``): two nodes start and train, a third arrives later
-(scheduler mode: three network-namespace hosts on a bridge, or this machine where namespaces cannot be made), and its workers join at the
-next generation, taking their state from their peers' memory: world 4 -> 6 in one generation, the first
-nodes' workers untouched, 0 steps lost, the fault-free run's losses (global batches: the loss of a step does
-not depend on the world size)."""
+(scheduler mode: three network-namespace hosts on a bridge, or this machine where namespaces cannot be made),
+and its workers join at the next generation, taking their state from their peers' memory: world 4 -> 6 in one
+generation, the first nodes' workers untouched, 0 steps lost, the fault-free run's losses (global batches: the
+loss of a step does not depend on the world size)."""
 
 from __future__ import annotations
 
@@ -24,16 +24,15 @@ def three_hosts():
     would), or None where namespaces cannot be made here: then the three nodes run on this machine."""
     from netns import Network, NetnsError, unsupported
 
-    if unsupported():
-        yield None
-        return
-    try:
-        network = Network.create(3)
-    except NetnsError:
-        yield None
-        return
+    network = None
+    if not unsupported():
+        try:
+            network = Network.create(3)
+        except NetnsError:
+            pass  # namespaces, but no bridge between them: this machine, as without namespaces
     yield network
-    network.delete()
+    if network is not None:
+        network.delete()
 
 
 def ready_joiners(log_dir) -> int:

@@ -103,7 +103,6 @@ def test_the_next_generation_forms_while_the_last_ones_abort_still_runs(free_por
         planes.destroy()
 
 
-
 @pytest.mark.fast
 def test_a_new_leaders_store_at_the_lost_ones_address_is_connected_to_afresh(free_port):
     # the lost leader's store ends with its node; a new leader on the same machine may get the very port it
@@ -124,6 +123,7 @@ def test_a_new_leaders_store_at_the_lost_ones_address_is_connected_to_afresh(fre
         assert summed.tolist() == [1.0, 1.0] and elected.check([keys.arrived(0, 1, 0)])
     finally:
         planes.destroy()
+
 
 # ------------------------------------------------------------------------------ nothing leaks
 CYCLE = re.compile(r"commit uid=(\d+) step=(\d+) gen=(\d+) fds=(\d+) threads=(\d+)$")
