@@ -26,7 +26,7 @@ from ftrun.protocol import STACK_DUMP_SIGNAL, Plan
 from ftrun.store import keys
 from ftrun.store.client import open_client
 from ftrun.worker import backends
-from ftrun.worker.planes import Planes
+from ftrun.worker.planes import Planes, _connected_tcp, _open_fds
 
 STRICT = re.compile(r"commit uid=(\d+) rank=(\d+) world=(\d+) step=(\d+) loss=(\S+) sum=(\S+)$")
 
@@ -72,6 +72,24 @@ def test_recovery_with_a_data_group_that_rejects_cpu_tensors_uses_only_the_contr
         else:
             assert set(by_uid) == members, f"step {step}\n{why}"
         assert len(set(by_uid.values())) == 1, f"ranks disagree at step {step}: {by_uid}\n{why}"
+
+
+@pytest.mark.fast
+def test_the_sockets_a_generation_opened_are_its_connected_tcp_ones(tmp_path):
+    # The abort shuts down exactly what forming a generation opened: connected TCP sockets, never a listener
+    # (Gloo's must keep accepting), nor anything else opened meanwhile.
+    before = _open_fds()
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    served, _ = listener.accept()
+    datagram = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    local, _ = socket.socketpair()
+    with open(tmp_path / "file", "w") as file:
+        opened = _open_fds() - before
+        assert {listener.fileno(), client.fileno(), served.fileno(), datagram.fileno(), file.fileno()} <= opened
+        assert _connected_tcp(opened) == {client.fileno(), served.fileno()}
+    for sock in (listener, client, served, datagram, local, _):
+        sock.close()
 
 
 @pytest.mark.fast
