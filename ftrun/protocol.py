@@ -28,10 +28,10 @@ A real-time signal, so that SIGUSR1/SIGUSR2, which schedulers use for preemption
 # worker -> agent
 HELLO = "hello"  # the worker adopted the API: {uid, pid, spare}
 READY = "ready"  # a joiner (spare or respawned worker) waits to be placed: {uid}
-PROGRESS = "progress"  # a step committed: {gen, step, time, step_time}
+PROGRESS = "progress"  # a step committed: {gen, step, time, step_time}; told as PROGRESS_FIRST/EVERY say
 ENTERED = "entered"  # the first collective of a step started: {step}
-FINISHED = "finished"  # the worker left the step loop: no more progress is to be expected
-RECOVERED = "recovered"  # the worker finished recovery for a generation: {gen, step, timings}
+FINISHED = "finished"  # the worker left the step loop: no more progress is to be expected; {step}
+RECOVERED = "recovered"  # the worker finished recovery for a generation: {gen, step, held, timings}
 SAVED = "saved"  # the worker wrote its state (for a restart, or a next launch): {step}, or {step, error} if it could not
 UNRECOVERABLE = "unrecoverable"  # the new generation cannot recover in place (a shard in no memory): {reason}
 COLLECTIVE_FAILED = "collective_failed"  # a collective failed with no new plan to explain it: {gen, step, phase,
@@ -190,6 +190,15 @@ def _signal(value: Any) -> bool:
 
 _SIGNALS = frozenset(s.value for s in signal.Signals)
 
+PROGRESS_FIRST = 3
+"""A worker's first commits, each told: the hang watchdog's warm-up counts them (``HangPolicy.warmup_steps``)."""
+PROGRESS_EVERY = 0.25
+"""Seconds between two later ``progress`` messages of one generation; the first commit of each generation is
+told at once (it ends a recovery). A message per commit woke the agent once per step and worker, CPU the workers
+lose where cores are few; the agent's uses (the hang watchdog, whose timeouts are seconds; ``ftrun status``,
+refreshed every second) need no more. A worker also tells its last committed step as it leaves its step loop
+(``finished``), and the step it held when a recovery began (``recovered``'s ``held``)."""
+
 FAILURE_FIELDS: dict[str, Check] = {"rank": _optional_int, "local_rank": _int, "pid": _int, "exitcode": _int,
                                     "when": _number, "message": _text, "traceback": _text}
 """The fields of a worker failure, as a follower reports one (``ftrun.agent.failures.WorkerFailure``)."""
@@ -199,8 +208,8 @@ FROM_WORKER: dict[str, dict[str, Check]] = {
     READY: {"uid": _int},
     PROGRESS: {"gen": _int, "step": _int, "time": _number, "step_time": _number},
     ENTERED: {"step": _int},
-    FINISHED: {},
-    RECOVERED: {"gen": _int, "step": _int, "timings": _timings, "plan_received": _number},
+    FINISHED: {"step": _int},
+    RECOVERED: {"gen": _int, "step": _int, "held": _int, "timings": _timings, "plan_received": _number},
     SAVED: {"step": _int},
     UNRECOVERABLE: {"gen": _int, "reason": _text},
     COLLECTIVE_FAILED: {"gen": _int, "step": _int, "phase": _text, "error": _text, "unreachable": _unreachable},

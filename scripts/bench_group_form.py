@@ -1,5 +1,6 @@
 """What a newer plan's power to end a group's rendezvous costs: forming a fresh Gloo group of 4 processes
-through torch's store waits vs through ftrun's InterruptibleStore (which polls, so a newer plan can cut it).
+through torch's store waits vs through ftrun's InterruptibleStore (which waits in slices through a connection of
+its own, so a newer plan can cut it).
 
     python scripts/bench_group_form.py [--generations 60] [--world 4]
 
@@ -20,16 +21,18 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from ftrun.store.wire import StoreClient
 from ftrun.worker.interruptible import InterruptibleStore
 
 
-def form(store: dist.Store, rank: int, world: int, generations: int) -> dict[str, list[float]]:
+def form(store: dist.TCPStore, rank: int, world: int, generations: int) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {"torch store": [], "InterruptibleStore": []}
+    waiter = StoreClient(store.host, store.port, store.timeout.total_seconds())
     for gen in range(generations):
         kind = "torch store" if gen % 2 == 0 else "InterruptibleStore"
         barrier(store, f"arrived/{gen}", rank, world)
         prefix = dist.PrefixStore(f"g{gen}", store)
-        group_store = prefix if gen % 2 == 0 else InterruptibleStore(prefix, lambda: False)
+        group_store = prefix if gen % 2 == 0 else InterruptibleStore(prefix, lambda: False, waiter, f"g{gen}")
         started = time.perf_counter()
         dist.init_process_group("gloo", store=group_store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
         times[kind].append(time.perf_counter() - started)

@@ -445,13 +445,19 @@ class Agent:
         """The event loop of one attempt: output, exits, control messages, mail, signals, deadlines."""
         result = self.result = AttemptResult()
         self.stopper = None
+        next_tick = 0.0
         while self.job_workers() or self.coordination.awaiting(time.monotonic()):
+            # A wake for output lines and progress alone leaves the deadlines to the monitor interval: a training
+            # job wakes the agent at every step, and each pass over the deadlines is CPU its workers lose.
+            routine = True
             for key, _ in self.selector.select(self.config.monitor_interval):
                 kind, data = key.data
+                routine = routine and kind in (OUTPUT, CHANNEL)
                 if kind == OUTPUT:
                     self.pool.read_output(key.fileobj, *data)
                 elif kind == CHANNEL:
                     for message in self.pool.read_channel(data):
+                        routine = routine and message.get("t") == protocol.PROGRESS
                         if self.stopper is not None:
                             self.stopper.on_message(data, message)
                         self.coordination.on_message(self.pool.get(data), message)
@@ -464,6 +470,9 @@ class Agent:
                 elif kind == GPU:
                     self.gpu_health.drain()
             now = time.monotonic()
+            if routine and now < next_tick:
+                continue
+            next_tick = now + self.config.monitor_interval
             if self.stopper is not None:
                 self.stopper.tick(now)
             self.status.tick(now)

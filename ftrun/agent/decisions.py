@@ -357,8 +357,11 @@ def recovery_summary(recovery: Recovery, first_commit: dict[str, Any], world_aft
         phases[name] = max((r["timings"][name] for r in reports), default=0.0)
     recovered_at = max((r["plan_received"] + sum(r["timings"].values()) for r in reports), default=recovery.plan_sent)
     phases["first_step"] = round(done - recovered_at, 6)
-    after = min((r["step"] for r in reports), default=recovery.committed_before)
+    # the survivors say what they held when the plan reached them: the agent's own count of their commits is
+    # told only now and then (and, from another node, relayed now and then)
+    before = max([recovery.committed_before, *(r["held"] for r in reports)])
+    after = min((r["step"] for r in reports), default=before)
     return {"kind": recovery.kind, "gen": recovery.gen, "lost_ranks": recovery.lost_ranks,
             "lost_uids": recovery.lost_uids, "world_before": recovery.before.world_size, "world_after": world_after,
-            "steps_lost": max(0, recovery.committed_before - max(after, first_commit["step"] - 1)),
+            "steps_lost": max(0, before - max(after, first_commit["step"] - 1)),
             "resumed_at_step": first_commit["step"], "latency": round(done - recovery.started, 6), "phases": phases}

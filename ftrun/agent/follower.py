@@ -149,6 +149,8 @@ class Follower:
             return  # node-local: only the watchdog needs it
         elif kind == protocol.FINISHED:
             self.watchdog.finished(uid)
+            if message["step"] >= 0:
+                self.last_step[uid] = message["step"]
         elif kind == protocol.SAVED and not message.get("error"):
             self.saved[uid] = message["step"]
         elif kind == protocol.PROGRESS:

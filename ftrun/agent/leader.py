@@ -145,6 +145,8 @@ class Leader:
             if watchdog:
                 watchdog.finished(uid)
             m.left_loop.add(uid)
+            if message["step"] >= 0:
+                m.last_step[uid] = message["step"]
             if self.recovery is not None and self.recovery.kind == "join":
                 self.recovery = None  # a joiner placed as training ended: nothing left for it to join
         elif kind == protocol.READY:

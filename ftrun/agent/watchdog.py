@@ -55,9 +55,11 @@ class HangWatchdog:
         self.progress[uid] = _Progress(time.monotonic())
 
     def committed(self, uid: int, step: int, step_time: float) -> None:
-        """A worker committed ``step``, which took ``step_time`` seconds."""
+        """A worker committed ``step``, which took ``step_time`` seconds (and every step since the one it told
+        before: a worker tells its commits only now and then)."""
         p = self.progress.setdefault(uid, _Progress(time.monotonic()))
-        p.last, p.committed, p.committed_step = time.monotonic(), p.committed + 1, step
+        told = max(1, step - p.committed_step) if p.committed_step >= 0 else 1
+        p.last, p.committed, p.committed_step = time.monotonic(), p.committed + told, step
         p.step_times.append(step_time)
 
     def entered(self, uid: int, step: int) -> None:

@@ -1,8 +1,8 @@
 """Hang detection: how long a rank may go without progress, and which silent rank is the culprit.
 
 Pure functions over plain numbers, so the policy is tested without processes; the agent feeds them the
-progress its workers report on their control channels (one message per committed step, one when a step's
-first collective starts -- node-local, no store round trip).
+progress its workers report on their control channels (committed steps, told now and then; a step's first
+collective that is still waiting 0.2 s later -- node-local, no store round trip).
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from ftrun.protocol import PROGRESS_FIRST
 
 
 @dataclass(frozen=True)
@@ -25,7 +27,7 @@ class HangPolicy:
     floor: float = 30.0
     ceiling: float = 1800.0
     warmup: float = 600.0
-    warmup_steps: int = 3
+    warmup_steps: int = PROGRESS_FIRST  # workers tell each of these commits
     fixed: float | None = None
 
     def __post_init__(self) -> None:

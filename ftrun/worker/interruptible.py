@@ -2,11 +2,12 @@
 
 torch's store waits block in C++ until the key appears or their timeout passes (30 minutes for a process
 group): nothing can interrupt them. A process group formed for a plan that a newer one replaced (a member
-died at the barrier, or during the group's own rendezvous) would sit there for that long. This view polls
-instead, with a growing pause (1 ms up to 5 ms for the first second, the time a recovery's barrier and
-rendezvous take, then up to 50 ms: quick to notice a key, cheap on the store when waiting long), and between
-polls asks whether the plan was superseded. (A blocking wait with a short timeout would notice a key at once,
-but torch's client logs two warning lines at each of its timeouts.)
+died at the barrier, or during the group's own rendezvous) would sit there for that long. This view waits
+through a connection of its own, ftrun's torch-free client (:class:`ftrun.store.wire.StoreClient`), in
+slices of WAIT_SLICE seconds, and between slices asks whether the plan was superseded: a key is seen the
+moment it is written (the server answers the WAIT then), and a slice that ends unanswered withdraws its
+WAIT (CANCEL_WAIT), silently. (Polling with pauses, as before, saw a key up to a pause late, twice or more
+per rendezvous; torch's own client logs two warning lines at each timeout of a short blocking wait.)
 
 torch calls a Python :class:`torch.distributed.Store` subclass back from C++ (its ``PythonStore``
 trampoline), so the view also serves as the store of ``init_process_group``: Gloo's rendezvous waits for each
@@ -21,10 +22,10 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-FIRST_PAUSE = 0.001
-QUICK_PAUSE = 0.005  # the longest pause within the first QUICK_WINDOW seconds of a wait
-QUICK_WINDOW = 1.0
-LONGEST_PAUSE = 0.05
+from ftrun.store import wire
+
+WAIT_SLICE = 0.1
+"""Seconds one WAIT may stay pending before the plan is asked again whether it was superseded."""
 
 
 class Superseded(Exception):
@@ -37,26 +38,39 @@ class StoreTimeout(RuntimeError):
 
 class InterruptibleStore(dist.Store):
     """``inner``, with waits (and gets of a key not yet written) that raise :class:`Superseded` as soon as
-    ``superseded()`` says so, and :class:`StoreTimeout` at their timeout (the inner store's by default)."""
+    ``superseded()`` says so, and :class:`StoreTimeout` at their timeout (the inner store's by default).
 
-    def __init__(self, inner: dist.Store, superseded: Callable[[], bool]) -> None:
+    ``waiter`` is a connection of this view's own to the server behind ``inner`` (one request at a time: a
+    view waited on by two threads at once needs two), and ``prefix`` what ``inner`` puts before each key
+    (a :class:`torch.distributed.PrefixStore`'s prefix; empty for none).
+    """
+
+    def __init__(self, inner: dist.Store, superseded: Callable[[], bool], waiter: wire.StoreClient,
+                 prefix: str = "") -> None:
         super().__init__()
         self.inner = inner
         self.superseded = superseded
+        self.waiter = waiter
+        self.prefix = f"{prefix}/" if prefix else ""
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         """Return once every key exists."""
         seconds = (timeout or self.inner.timeout).total_seconds()
-        started = time.monotonic()
-        pause = FIRST_PAUSE
-        while not self.inner.check(keys):
+        deadline = time.monotonic() + seconds
+        names = [self.prefix + key for key in keys]
+        while True:
             if self.superseded():
                 raise Superseded(keys[0])
-            waited = time.monotonic() - started
-            if waited > seconds:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise StoreTimeout(f"{keys} not all written within {seconds:g} s")
-            time.sleep(pause)
-            pause = min(2 * pause, QUICK_PAUSE if waited < QUICK_WINDOW else LONGEST_PAUSE)
+            try:
+                self.waiter.wait(names, min(WAIT_SLICE, left))
+                return
+            except wire.StoreTimeout:
+                continue
+            except wire.StoreError as exc:  # as torch's store raises it: the callers' DistError handling applies
+                raise dist.DistStoreError(f"waiting for {keys[0]}: {exc}") from None
 
     def get(self, key: str) -> bytes:
         """The value of ``key``, once it is written."""

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from ftrun.protocol import Plan, split_address
 from ftrun.store import keys
 from ftrun.store.client import open_client
+from ftrun.store.wire import StoreClient
 from ftrun.worker import backends, links
 from ftrun.worker.interruptible import InterruptibleStore, StoreTimeout, Superseded
 
@@ -114,6 +115,7 @@ class Planes:
         # connection through a blocking wait, so two groups forming at once on one client can deadlock
         # across ranks (each waiting for a key the other's blocked thread has yet to set).
         self._control_store = open_client(store.host, store.port, store.timeout.total_seconds())
+        self._waiters = _waiters(store.host, store.port, store.timeout.total_seconds())
         self.attempt = attempt
         self.prober = links.Prober()
         self.uid = uid
@@ -140,6 +142,9 @@ class Planes:
         timeout = self.store.timeout.total_seconds()
         self.store = open_client(host, port, timeout)
         self._control_store = open_client(host, port, timeout)
+        for waiter in self._waiters:
+            waiter.close()
+        self._waiters = _waiters(host, port, timeout)
 
     def start_alone(self) -> None:
         """Groups of this worker alone: a spare waits in them until a plan places it."""
@@ -241,11 +246,13 @@ class Planes:
         """Form the data and control groups at once, each on its own store prefix; a newer plan ends their
         rendezvous (:class:`Superseded`) where it goes through the store (Gloo; NCCL reads it later)."""
         before, hook = _open_fds(), sys.excepthook
-        store: dist.Store = dist.PrefixStore(keys.group_prefix(self.attempt, name), self.store)
+        prefix = keys.group_prefix(self.attempt, name)
+        control_prefix = keys.group_prefix(self.attempt, f"{name}/control")
+        store: dist.Store = dist.PrefixStore(prefix, self.store)
         if "nccl" not in self.backend:  # Gloo's rendezvous runs inside init, through this view; NCCL's is not
-            store = InterruptibleStore(store, superseded)  # served to C++ threads through Python
-        control_store = InterruptibleStore(
-            dist.PrefixStore(keys.group_prefix(self.attempt, f"{name}/control"), self._control_store), superseded)
+            store = InterruptibleStore(store, superseded, self._waiters[0], prefix)  # served to C++ through Python
+        control_store = InterruptibleStore(dist.PrefixStore(control_prefix, self._control_store), superseded,
+                                           self._waiters[1], control_prefix)
         control: list[dist.ProcessGroup] = []
         failure: list[BaseException] = []
 
@@ -275,7 +282,14 @@ class Planes:
     def _wait_keys(self, keys: list[str], superseded: Callable[[], bool]) -> None:
         """Wait for every key up to the process group timeout (:class:`StoreTimeout`), ending at once with
         :class:`Superseded` when a newer plan comes (torch's own store waits cannot be cut short)."""
-        InterruptibleStore(self.store, superseded).wait(keys, self.timeout)
+        InterruptibleStore(self.store, superseded, self._waiters[0]).wait(keys, self.timeout)
+
+
+def _waiters(host: str, port: int, timeout: float) -> tuple[StoreClient, StoreClient]:
+    """The connections the two planes' rendezvous wait through (they form at once, and a connection serves
+    one request at a time): ftrun's own client, whose waits end at once when their keys are written and can
+    be withdrawn silently (:class:`~ftrun.worker.interruptible.InterruptibleStore`)."""
+    return StoreClient(host, port, timeout), StoreClient(host, port, timeout)
 
 
 def is_cpu(tensor: torch.Tensor) -> bool:

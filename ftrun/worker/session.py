@@ -72,6 +72,8 @@ class Session:
         self._plan_received = time.time()
         self._step = 0
         self._step_started = 0.0
+        self._told = (-1, 0.0)  # (generation, time.monotonic()) of the last progress message
+        self._told_count = 0  # progress messages sent
         self._drills = WorkerDrills()  # `ftrun inject exception|slow`, acted out at the start of a step
         self.channel: AgentChannel | None = None
         self.entered: EnteredNotice | None = None
@@ -215,14 +217,24 @@ class Session:
             optimizer.step()
             self.committed_step = self._step
         optimizer.zero_grad(set_to_none=True)
-        if self.channel is not None:  # committed: the agent learns it before the work that follows a commit
-            self.channel.send(protocol.PROGRESS, gen=self.gen, step=self._step, time=time.time(),
-                              step_time=time.monotonic() - self._step_started)
+        self._tell_progress()
         self._refresh()
         self._rebuild_buckets()
         if self.planes is not None and self.planes.stale:
             self._release_stale()
         return total
+
+    def _tell_progress(self) -> None:
+        """Tell the agent of the step just committed (before the work that follows a commit), as the protocol
+        asks: each of the worker's first commits, the first of each generation, else now and then."""
+        now = time.monotonic()
+        due = (self._told_count < protocol.PROGRESS_FIRST or self._told[0] != self.gen
+               or now - self._told[1] >= protocol.PROGRESS_EVERY)
+        if self.channel is None or not due:
+            return
+        self._told, self._told_count = (self.gen, now), self._told_count + 1
+        self.channel.send(protocol.PROGRESS, gen=self.gen, step=self._step, time=time.time(),
+                          step_time=now - self._step_started)
 
     def _refresh(self) -> None:
         """Start copying the sharded state of the committed step to the buddy, if this step is due."""
@@ -339,6 +351,7 @@ class Session:
         process being alive, a link failed, and the leader re-forms the group or excludes a member.
         """
         deadline = None if self.spare else time.monotonic() + self.recovery_timeout
+        held = self.committed_step  # the agent counts the steps lost from it
         if self.entered is not None:
             self.entered.left()  # recovering, not waiting in a step's collectives
         with self._cond:
@@ -385,7 +398,7 @@ class Session:
                 self.spare = False
             timings = {"abort": round(t0 - received, 6), "rendezvous": round(t1 - t0, 6),
                        "agree": round(t2 - t1, 6), "transfer": round(t3 - t2, 6)}
-            self.channel.send(protocol.RECOVERED, gen=plan.gen, step=self.committed_step, timings=timings,
+            self.channel.send(protocol.RECOVERED, gen=plan.gen, step=self.committed_step, held=held, timings=timings,
                               received_state=self.rank in behind, plan_received=received)
             return
 

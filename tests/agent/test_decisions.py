@@ -236,7 +236,7 @@ def test_a_recovery_summary_times_each_phase_and_counts_no_lost_step():
     recovery = Recovery("fault", 0.0, started=100.0, noticed=100.01, before=Plan(0, [0, 1, 2, 3]),
                         last_steps={0: 7, 1: 7, 2: 7, 3: 7}, lost_ranks=[2], lost_uids=[2], plan_sent=100.02, gen=1)
     timings = {"abort": 0.001, "rendezvous": 0.02, "agree": 0.005, "transfer": 0.0}
-    recovery.reports = {uid: {"step": 7, "timings": timings, "plan_received": 100.021} for uid in (0, 1, 3)}
+    recovery.reports = {uid: {"step": 7, "held": 7, "timings": timings, "plan_received": 100.021} for uid in (0, 1, 3)}
     summary = recovery_summary(recovery, {"time": 100.1, "step": 8}, world_after=3)
     assert summary["steps_lost"] == 0 and summary["resumed_at_step"] == 8 and summary["latency"] == pytest.approx(0.1)
     assert summary["phases"]["detect"] == pytest.approx(0.01) and summary["phases"]["plan"] == pytest.approx(0.01)
@@ -250,12 +250,23 @@ def test_a_recovery_summary_times_each_phase_and_counts_no_lost_step():
 def test_a_step_only_the_lost_worker_committed_was_in_flight_and_is_not_counted_lost():
     recovery = Recovery("fault", 0.0, started=100.0, noticed=100.01, before=Plan(0, [0, 1, 2, 3]),
                         last_steps={0: 7, 1: 7, 2: 8, 3: 7}, lost_ranks=[2], lost_uids=[2], gen=1)
-    recovery.reports = {uid: {"step": 7, "timings": dict.fromkeys(RECOVERY_PHASES, 0.0), "plan_received": 100.0}
-                        for uid in (0, 1, 3)}
+    recovery.reports = {uid: {"step": 7, "held": 7, "timings": dict.fromkeys(RECOVERY_PHASES, 0.0),
+                              "plan_received": 100.0} for uid in (0, 1, 3)}
     assert recovery.committed_before == 7  # uid 2's step 8 never reached a survivor: it left with uid 2
     assert recovery_summary(recovery, {"time": 100.1, "step": 8}, world_after=3)["steps_lost"] == 0
     recovery.last_steps[3] = 8  # a survivor that held step 8 and resumed at 7 would have lost one
     assert recovery_summary(recovery, {"time": 100.1, "step": 8}, world_after=3)["steps_lost"] == 1
+
+
+def test_steps_lost_count_what_the_survivors_held_beyond_what_they_had_told():
+    # progress is told only now and then: the agent last heard of step 5, the survivors held step 7
+    recovery = Recovery("fault", 0.0, started=100.0, noticed=100.01, before=Plan(0, [0, 1, 2]),
+                        last_steps={0: 5, 1: 5, 2: 5}, lost_ranks=[2], lost_uids=[2], gen=1)
+    report = {"step": 7, "held": 7, "timings": dict.fromkeys(RECOVERY_PHASES, 0.0), "plan_received": 100.0}
+    recovery.reports = {0: report, 1: report}
+    assert recovery_summary(recovery, {"time": 100.1, "step": 8}, world_after=2)["steps_lost"] == 0
+    recovery.reports[1] = {**report, "step": 5}  # had it resumed from step 5, steps 6 and 7 would be lost
+    assert recovery_summary(recovery, {"time": 100.1, "step": 6}, world_after=2)["steps_lost"] == 2
 
 
 # --------------------------------------------------------------------------------------- progress

@@ -9,7 +9,23 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import EXAMPLE
+
+from ftrun.agent.watchdog import HangWatchdog
+from ftrun.health.hangs import HangPolicy, hang_timeout
+
+
+@pytest.mark.fast
+def test_steps_told_in_one_progress_message_each_count_towards_the_warmup():
+    # a worker tells its commits now and then: steps 1 to 5 come with the message of step 5
+    policy = HangPolicy(fixed=3.0)
+    watchdog = HangWatchdog(workers=None, log=None, notices=None, policy=policy)
+    watchdog.committed(0, 0, 0.01)
+    assert hang_timeout(policy, watchdog.progress[0].step_times, watchdog.progress[0].committed) == policy.warmup
+    watchdog.committed(0, 5, 0.01)
+    assert watchdog.progress[0].committed == 6
+    assert hang_timeout(policy, watchdog.progress[0].step_times, watchdog.progress[0].committed) == 3.0
 
 
 def test_sigstopped_worker_is_detected_dumped_killed_and_the_survivors_recover(launcher_env, tmp_path):
