@@ -27,12 +27,12 @@ from ftrun.worker.interruptible import InterruptibleStore
 
 def form(store: dist.TCPStore, rank: int, world: int, generations: int) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {"torch store": [], "InterruptibleStore": []}
-    waiter = StoreClient(store.host, store.port, store.timeout.total_seconds())
+    client = StoreClient(store.host, store.port, store.timeout.total_seconds())
     for gen in range(generations):
         kind = "torch store" if gen % 2 == 0 else "InterruptibleStore"
         barrier(store, f"arrived/{gen}", rank, world)
         prefix = dist.PrefixStore(f"g{gen}", store)
-        group_store = prefix if gen % 2 == 0 else InterruptibleStore(prefix, lambda: False, waiter, f"g{gen}")
+        group_store = prefix if gen % 2 == 0 else InterruptibleStore(client, lambda: False, f"g{gen}")
         started = time.perf_counter()
         dist.init_process_group("gloo", store=group_store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
         times[kind].append(time.perf_counter() - started)

@@ -111,11 +111,7 @@ class Planes:
 
     def __init__(self, store: dist.TCPStore, attempt: int, uid: int, backend: str, timeout: timedelta) -> None:
         self.store = store
-        # A store client of the control plane's own: a client runs one request at a time and holds its
-        # connection through a blocking wait, so two groups forming at once on one client can deadlock
-        # across ranks (each waiting for a key the other's blocked thread has yet to set).
-        self._control_store = open_client(store.host, store.port, store.timeout.total_seconds())
-        self._waiters = _waiters(store.host, store.port, store.timeout.total_seconds())
+        self._rendezvous = _rendezvous_clients(store.host, store.port, store.timeout.total_seconds())
         self.attempt = attempt
         self.prober = links.Prober()
         self.uid = uid
@@ -141,10 +137,9 @@ class Planes:
         node was lost, with its store)."""
         timeout = self.store.timeout.total_seconds()
         self.store = open_client(host, port, timeout)
-        self._control_store = open_client(host, port, timeout)
-        for waiter in self._waiters:
-            waiter.close()
-        self._waiters = _waiters(host, port, timeout)
+        for client in self._rendezvous:
+            client.close()
+        self._rendezvous = _rendezvous_clients(host, port, timeout)
 
     def start_alone(self) -> None:
         """Groups of this worker alone: a spare waits in them until a plan places it."""
@@ -248,11 +243,11 @@ class Planes:
         before, hook = _open_fds(), sys.excepthook
         prefix = keys.group_prefix(self.attempt, name)
         control_prefix = keys.group_prefix(self.attempt, f"{name}/control")
-        store: dist.Store = dist.PrefixStore(prefix, self.store)
-        if "nccl" not in self.backend:  # Gloo's rendezvous runs inside init, through this view; NCCL's is not
-            store = InterruptibleStore(store, superseded, self._waiters[0], prefix)  # served to C++ through Python
-        control_store = InterruptibleStore(dist.PrefixStore(control_prefix, self._control_store), superseded,
-                                           self._waiters[1], control_prefix)
+        if "nccl" in self.backend:  # NCCL's rendezvous is not served to C++ through Python, as Gloo's is
+            store: dist.Store = dist.PrefixStore(prefix, self.store)
+        else:  # Gloo's rendezvous runs inside init, through this view
+            store = InterruptibleStore(self._rendezvous[0], superseded, prefix)
+        control_store = InterruptibleStore(self._rendezvous[1], superseded, control_prefix)
         control: list[dist.ProcessGroup] = []
         failure: list[BaseException] = []
 
@@ -282,13 +277,15 @@ class Planes:
     def _wait_keys(self, keys: list[str], superseded: Callable[[], bool]) -> None:
         """Wait for every key up to the process group timeout (:class:`StoreTimeout`), ending at once with
         :class:`Superseded` when a newer plan comes (torch's own store waits cannot be cut short)."""
-        InterruptibleStore(self.store, superseded, self._waiters[0]).wait(keys, self.timeout)
+        InterruptibleStore(self._rendezvous[0], superseded).wait(keys, self.timeout)
 
 
-def _waiters(host: str, port: int, timeout: float) -> tuple[StoreClient, StoreClient]:
-    """The connections the two planes' rendezvous wait through (they form at once, and a connection serves
-    one request at a time): ftrun's own client, whose waits end at once when their keys are written and can
-    be withdrawn silently (:class:`~ftrun.worker.interruptible.InterruptibleStore`)."""
+def _rendezvous_clients(host: str, port: int, timeout: float) -> tuple[StoreClient, StoreClient]:
+    """The connections the data and the control plane rendezvous through (:class:`InterruptibleStore`),
+    ftrun's own client: its waits end the moment their keys are written and can be withdrawn silently. One
+    each: a connection serves one request at a time and is held through a wait, so two groups forming at
+    once on one connection could deadlock across ranks (each waiting for a key the other's blocked thread
+    has yet to set)."""
     return StoreClient(host, port, timeout), StoreClient(host, port, timeout)
 
 
