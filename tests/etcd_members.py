@@ -108,23 +108,37 @@ class Cluster:
         secure = ["--cert-file", tls.server_cert, "--key-file", tls.server_key, "--trusted-ca-file", tls.ca,
                   "--client-cert-auth"] if tls else []
         initial = ",".join(f"{m.name}=http://127.0.0.1:{m.peer_port}" for m in self.members)
-        for member in self.members:
-            data = directory / member.name
-            log = open(directory / f"{member.name}.log", "wb")  # noqa: SIM115 -- the process keeps it
-            member.process = subprocess.Popen(
-                [binary, "--name", member.name, "--data-dir", str(data),
-                 "--listen-client-urls", member.client_url, "--advertise-client-urls", member.client_url, *secure,
-                 "--listen-peer-urls", f"http://127.0.0.1:{member.peer_port}",
-                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{member.peer_port}",
-                 "--initial-cluster", initial, "--initial-cluster-state", "new",
-                 "--heartbeat-interval", "50", "--election-timeout", "500"],
-                stdout=log, stderr=log, env={**os.environ, "ETCD_UNSUPPORTED_ARCH": ""}, start_new_session=True)
-            log.close()
+        self.directory = directory
+        self.commands = [
+            [binary, "--name", member.name, "--data-dir", str(directory / member.name),
+             "--listen-client-urls", member.client_url, "--advertise-client-urls", member.client_url, *secure,
+             "--listen-peer-urls", f"http://127.0.0.1:{member.peer_port}",
+             "--initial-advertise-peer-urls", f"http://127.0.0.1:{member.peer_port}",
+             "--initial-cluster", initial, "--initial-cluster-state", "new",
+             "--heartbeat-interval", "50", "--election-timeout", "500"]
+            for member in self.members]
+        for index in range(size):
+            self._start(index)
+        self._await_healthy()
+
+    def _start(self, index: int) -> None:
+        member = self.members[index]
+        log = open(self.directory / f"{member.name}.log", "ab")  # noqa: SIM115 -- the process keeps it
+        member.process = subprocess.Popen(self.commands[index], stdout=log, stderr=log,
+                                          env={**os.environ, "ETCD_UNSUPPORTED_ARCH": ""}, start_new_session=True)
+        log.close()
+
+    def restart(self, index: int) -> None:
+        """Start member ``index`` again (after its kill), on its ports and data, and wait until it serves."""
+        self._start(index)
+        self._await_healthy()
+
+    def _await_healthy(self) -> None:
         deadline = time.monotonic() + READY_WAIT
         while not all(member.healthy() for member in self.members):
             if any(m.process.poll() is not None for m in self.members) or time.monotonic() > deadline:
                 self.stop()
-                logs = "\n".join((directory / f"{m.name}.log").read_text()[-2000:] for m in self.members)
+                logs = "\n".join((self.directory / f"{m.name}.log").read_text()[-2000:] for m in self.members)
                 raise AssertionError(f"etcd did not start:\n{logs}")
             time.sleep(0.05)
 

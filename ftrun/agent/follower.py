@@ -153,6 +153,8 @@ class Follower:
                 self.last_step[uid] = message["step"]
         elif kind == protocol.SAVED and not message.get("error"):
             self.saved[uid] = message["step"]
+            if message["step"] >= 0:  # commits are told now and then: this one may be newer
+                self.last_step[uid] = max(self.last_step.get(uid, -1), message["step"])
         elif kind == protocol.PROGRESS:
             self.watchdog.committed(uid, message["step"], message["step_time"])
             self.last_step[uid] = message["step"]

@@ -159,12 +159,15 @@ class Leader:
             self.recovery.reports[uid] = message
         elif kind == protocol.UNRECOVERABLE and self.recovery is not None and message["gen"] == self.recovery.gen:
             self._give_up(message["reason"])
-        elif kind == protocol.SAVED and self.rescue is not None:
-            self.rescue.waiting.discard(uid)
-            if message.get("error"):
-                self.rescue.errors[uid] = str(message["error"])
-            else:
-                self.rescue.saved[uid] = message["step"]
+        elif kind == protocol.SAVED:
+            if not message.get("error") and message["step"] >= 0:  # commits are told now and then: it may be newer
+                m.last_step[uid] = max(m.last_step.get(uid, -1), message["step"])
+            if self.rescue is not None:
+                self.rescue.waiting.discard(uid)
+                if message.get("error"):
+                    self.rescue.errors[uid] = str(message["error"])
+                else:
+                    self.rescue.saved[uid] = message["step"]
         elif kind == protocol.PROGRESS:
             if not m.trained and self.setup.restarted_after is not None:
                 self.log.write(events.RESUMED, attempt=self.setup.attempt, step=message["step"],

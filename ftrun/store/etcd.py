@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-from ftrun.store.etcd_config import EtcdOptions, EtcdUnavailable
+from ftrun.store.etcd_config import EtcdOptions, EtcdUnavailable, EtcdUnreachable
 
 TXN_PUTS = 128
 """Writes per transaction: etcd's default limit (--max-txn-ops)."""
@@ -70,6 +70,10 @@ def _prefix_end(prefix: bytes) -> bytes:
     """The first key after every key that starts with ``prefix`` (etcd's ``range_end`` for a prefix)."""
     return prefix[:-1] + bytes([prefix[-1] + 1])
 
+
+UNREACHABLE_PAUSE = 0.05
+"""Seconds a wait pauses before it reads again when no member could be reached; doubled up to the next."""
+UNREACHABLE_PAUSE_MAX = 1.0
 
 class EtcdKeyValue:
     """A job's key-value store in an etcd cluster (see the module's description).
@@ -136,7 +140,7 @@ class EtcdKeyValue:
                 continue
             self._current = index
             return answer
-        raise EtcdUnavailable(f"no etcd endpoint answered ({'; '.join(failures)})")
+        raise EtcdUnreachable(f"no etcd endpoint answered ({'; '.join(failures)})")
 
     def _post(self, client: Any, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """One call; a refused token is renewed once; any other refusal is EtcdUnavailable."""
@@ -305,8 +309,16 @@ class EtcdKeyValue:
     def _await(self, key: str, deadline: float) -> bytes:
         """The value under ``key``: read, and while it is absent, watched from the revision of the read (a write
         in between is not missed); EtcdUnavailable once the monotonic ``deadline`` passes."""
+        pause = UNREACHABLE_PAUSE
         while True:
-            value, _, revision = self._range(key)
+            try:
+                value, _, revision = self._range(key)
+            except EtcdUnreachable:  # every member at once, as when the one watched died and the others elect
+                if self._interrupted.wait(min(pause, max(0.0, deadline - time.monotonic()))) \
+                        or time.monotonic() >= deadline:
+                    raise
+                pause = min(2 * pause, UNREACHABLE_PAUSE_MAX)
+                continue
             if value is not None:
                 return value
             self._watch_put([key], revision, deadline)

@@ -26,6 +26,11 @@ class EtcdUnavailable(RuntimeError):
     """No endpoint of the etcd cluster answered (or it refused the call)."""
 
 
+class EtcdUnreachable(EtcdUnavailable):
+    """No endpoint of the etcd cluster could be reached at all: for a moment (a member lost, the others electing
+    a leader, a loaded machine) or for good; a wait with time left tries again."""
+
+
 @dataclass(frozen=True)
 class EtcdOptions:
     """Where the cluster is and how to reach it: from ``--rdzv-endpoint`` and the ``--etcd-*`` options."""

@@ -134,6 +134,23 @@ def test_nothing_listening_is_one_clear_runtime_error(free_port):
         kv.set("k", "v")
 
 
+def test_a_wait_rides_out_a_moment_when_no_member_can_be_reached(tmp_path):
+    # the only member dies under a running watch and comes back: the wait, with time left, reads again
+    cluster = Cluster(tmp_path, size=1)
+    try:
+        kv, watcher = client(cluster, "j"), client(cluster, "j")
+        waited = []
+        thread = threading.Thread(target=lambda: waited.append(watcher.wait(["after"], timedelta(seconds=30))))
+        thread.start()
+        cluster.members[0].kill()
+        cluster.restart(0)
+        kv.set("after", "1")
+        thread.join(30)
+        assert waited == [None]
+    finally:
+        cluster.stop()
+
+
 def test_a_client_carries_on_against_the_others_when_one_member_of_three_dies(tmp_path):
     cluster = Cluster(tmp_path, size=3)
     try:
