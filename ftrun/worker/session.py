@@ -31,6 +31,7 @@ from ftrun.worker.injected import WorkerDrills
 from ftrun.worker.links import LinkFailure
 from ftrun.worker.interruptible import Superseded
 from ftrun.worker.planes import Planes
+from ftrun.worker.progress import ProgressNotice
 from ftrun.worker.redundancy import Rebuild, Redundancy, is_sharded, refresh_interval
 from ftrun.worker.shards import Choice, Holding, choose
 from ftrun.worker.steps import CollectiveFailed, StepCollectives
@@ -72,11 +73,10 @@ class Session:
         self._plan_received = time.time()
         self._step = 0
         self._step_started = 0.0
-        self._told = (-1, 0.0)  # (generation, time.monotonic()) of the last progress message
-        self._told_count = 0  # progress messages sent
         self._drills = WorkerDrills()  # `ftrun inject exception|slow`, acted out at the start of a step
         self.channel: AgentChannel | None = None
         self.entered: EnteredNotice | None = None
+        self.progress: ProgressNotice | None = None
         self.collectives = StepCollectives(self._cond, self._entered)
         atexit.register(self._shut_down)
         if not self.managed:  # torch's own error handling: a failed collective ends the process, torchrun restarts
@@ -89,6 +89,8 @@ class Session:
                              self.backend, timeout)
         self.channel = AgentChannel(int(os.environ["FTRUN_CHANNEL_FD"]), self._on_message)
         self.entered = EnteredNotice(lambda step: self.channel.send(protocol.ENTERED, step=step))
+        self.progress = ProgressNotice(lambda gen, step, step_time: self.channel.send(
+            protocol.PROGRESS, gen=gen, step=step, time=time.time(), step_time=step_time))
         faulthandler.register(protocol.STACK_DUMP_SIGNAL, all_threads=True)  # the agent's hang watchdog asks
         sizes = [int(n) for n in os.environ.get("FTRUN_NODE_SIZES", os.environ["WORLD_SIZE"]).split(",")]
         first = None if self.spare else Plan(0, initial_members(sizes))
@@ -217,24 +219,13 @@ class Session:
             optimizer.step()
             self.committed_step = self._step
         optimizer.zero_grad(set_to_none=True)
-        self._tell_progress()
+        if self.progress is not None:  # committed: the agent learns it before the work that follows a commit
+            self.progress.committed(self.gen, self._step, time.monotonic() - self._step_started)
         self._refresh()
         self._rebuild_buckets()
         if self.planes is not None and self.planes.stale:
             self._release_stale()
         return total
-
-    def _tell_progress(self) -> None:
-        """Tell the agent of the step just committed (before the work that follows a commit), as the protocol
-        asks: each of the worker's first commits, the first of each generation, else now and then."""
-        now = time.monotonic()
-        due = (self._told_count < protocol.PROGRESS_FIRST or self._told[0] != self.gen
-               or now - self._told[1] >= protocol.PROGRESS_EVERY)
-        if self.channel is None or not due:
-            return
-        self._told, self._told_count = (self.gen, now), self._told_count + 1
-        self.channel.send(protocol.PROGRESS, gen=self.gen, step=self._step, time=time.time(),
-                          step_time=now - self._step_started)
 
     def _refresh(self) -> None:
         """Start copying the sharded state of the committed step to the buddy, if this step is due."""
