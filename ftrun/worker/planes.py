@@ -262,15 +262,13 @@ class Planes:
         try:
             dist.init_process_group(self.backend, store=store, rank=rank, world_size=world_size,
                                     timeout=self.timeout, **backends.init_options(self.backend))
-        except Exception:
-            if superseded():  # torch may hand the store's Superseded back as an error of its own
-                raise Superseded(name) from None
-            raise
+        except Exception as exc:
+            raise _formation_failed(name, exc, superseded()) from None
         finally:
             thread.join()
         sys.excepthook = hook  # torch's would stack a "[rankN]:" prefix per group; the agent prefixes lines
         if failure:
-            raise Superseded(name) if superseded() else failure[0]
+            raise _formation_failed(name, failure[0], superseded()) from None
         with self._lock:
             self.current = Generation(gen, dist.group.WORLD, control[0], _connected_tcp(_open_fds() - before))
 
@@ -278,6 +276,19 @@ class Planes:
         """Wait for every key up to the process group timeout (:class:`StoreTimeout`), ending at once with
         :class:`Superseded` when a newer plan comes (torch's own store waits cannot be cut short)."""
         InterruptibleStore(self._rendezvous[0], superseded).wait(keys, self.timeout)
+
+
+def _formation_failed(name: str, error: BaseException, superseded: bool) -> BaseException:
+    """What a group's failed formation raises: :class:`Superseded` when a newer plan came (torch may hand the
+    store's Superseded back as an error of its own), else a DistError, which the recovery reports and then
+    waits for the next plan on. Gloo's rendezvous raises a plain RuntimeError when a peer closes a connection
+    while it connects (a peer dying before its agent has seen it): that must not end a survivor."""
+    if superseded:
+        return Superseded(name)
+    if isinstance(error, dist.DistError):
+        return error
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return dist.DistNetworkError(f"forming {name}: {first}")
 
 
 def _rendezvous_clients(host: str, port: int, timeout: float) -> tuple[StoreClient, StoreClient]:
