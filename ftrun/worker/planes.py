@@ -42,6 +42,7 @@ from ftrun.store.client import open_client
 from ftrun.store.wire import StoreClient
 from ftrun.worker import backends, links
 from ftrun.worker.interruptible import InterruptibleStore, StoreTimeout, Superseded
+from ftrun.worker.steps import first_line
 
 
 def _open_fds() -> set[int]:
@@ -287,8 +288,7 @@ def _formation_failed(name: str, error: BaseException, superseded: bool) -> Base
         return Superseded(name)
     if isinstance(error, dist.DistError):
         return error
-    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    return dist.DistNetworkError(f"forming {name}: {first}")
+    return dist.DistNetworkError(f"forming {name}: {first_line(error)}")
 
 
 def _rendezvous_clients(host: str, port: int, timeout: float) -> tuple[StoreClient, StoreClient]:

@@ -75,7 +75,7 @@ class StepCollectives:
                 fut.value()
                 failed = ""
             except Exception as exc:  # noqa: BLE001 -- any failure of the collective discards the step
-                failed = _first_line(exc)
+                failed = first_line(exc)
             with self.cond:
                 if failed and epoch == self.epoch:
                     self._failed(failed)
@@ -119,7 +119,7 @@ class StepCollectives:
                     work = self.issue(lambda: group.allreduce([loss_slot]))
                 self.wait(work)
             except (CollectiveFailed, Superseded) as exc:
-                self.fail(error="" if isinstance(exc, Superseded) else _first_line(exc))
+                self.fail(error="" if isinstance(exc, Superseded) else first_line(exc))
         with self.cond:
             ok = not (self.poisoned or self.failed)
         if not ok:
@@ -196,6 +196,6 @@ class StepCollectives:
             self.cond.notify_all()
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
     """An exception's message, first line only (torch's carry C++ frames below it)."""
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
