@@ -8,7 +8,10 @@ header revision a watch must start from, the mod revision a compare-and-swap com
 
 - Every key of a job lives under ``/ftrun/<run id>/``: jobs that share a cluster never see each other's keys.
 - ``get`` and ``wait`` read the key and, when it is absent, watch it from the revision they read at: a value
-  written between the read and the watch is not missed, and nothing polls.
+  written between the read and the watch is not missed, and nothing polls. ``wait_any`` (a mailbox reader's
+  wait for its bell and the next broadcast) keeps its watches open from one wait to the next, and takes the
+  values from their events (:mod:`ftrun.store.etcd_watch`).
+- An election's claim is a create that only one caller can make (a transaction on the key's create revision).
 - ``add`` is a compare-and-swap on the key's mod revision, retried while another writer wins.
 - Several endpoints (``h1:2379,h2:2379,h3:2379``) are tried in turn: a member that stops answering is left
   for the next, so losing one member of three is not noticed by the job.
@@ -24,10 +27,7 @@ Every failure to reach the cluster raises :class:`EtcdUnavailable`, a ``RuntimeE
 from __future__ import annotations
 
 import base64
-import json
 import math
-import queue
-import socket
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -35,6 +35,7 @@ from datetime import timedelta
 from typing import Any
 
 from ftrun.store.etcd_config import EtcdOptions, EtcdUnavailable, EtcdUnreachable
+from ftrun.store.etcd_watch import KeyRange, OpenWatch, Watches, range_for
 
 TXN_PUTS = 128
 """Writes per transaction: etcd's default limit (--max-txn-ops)."""
@@ -97,7 +98,7 @@ class EtcdKeyValue:
             client.session.trust_env = False
         self._current = 0
         self._interrupted = threading.Event()
-        self._waiting: queue.SimpleQueue[object] | None = None
+        self._watches = Watches()
         self._errors = etcd3gw.exceptions
         if options.user:
             for client in self._clients:
@@ -192,44 +193,91 @@ class EtcdKeyValue:
 
     def read_many(self, keys: Sequence[str], deleting: Sequence[str] = ()) -> list[bytes | None]:
         """Delete the keys in ``deleting``, then the value of each of ``keys`` (None where absent), in one
-        transaction (up to TXN_PUTS operations; a longer list takes more)."""
-        return self._read_many(keys, deleting)[0]
-
-    def wait_any(self, keys: Sequence[str], timeout: float, fetch: Sequence[str] = (),
-                 then: Mapping[str, str] | None = None) -> dict[str, bytes | None]:
-        """Return once one of ``keys`` exists, or after ``timeout`` s: the keys seen set (none: empty), with their
-        values (each read is the whole key). One read of them all, then a watch on each from that read's
-        revision (a write in between is not missed; each call starts its own watches, so ``then`` is not
-        needed)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            values, revision = self._read_many(keys, ())
-            if any(value is not None for value in values):
-                return {key: value for key, value in zip(keys, values) if value is not None}
-            try:
-                self._watch_put(keys, revision, deadline)
-            except EtcdUnavailable:
-                if self._interrupted.is_set() or time.monotonic() < deadline:
-                    raise
-                return {}
-
-    def _read_many(self, keys: Sequence[str], deleting: Sequence[str]) -> tuple[list[bytes | None], int]:
-        """:meth:`read_many`, and the revision of its last transaction."""
+        transaction (up to TXN_PUTS operations; a longer list takes more). What it learns (a key deleted, a key's
+        value) is noted for the open watches, so that a wait right after it does not take its own delete for
+        news."""
         ops = [{"request_delete_range": {"key": _b64(self._key(key))}} for key in deleting]
         ops += [{"request_range": {"key": _b64(self._key(key))}} for key in keys]
-        responses, revision = [], 0
+        responses: list[tuple[Any, int]] = []
         try:
             for start in range(0, len(ops), TXN_PUTS):
                 answer = self._call("kv/txn", {"success": ops[start:start + TXN_PUTS]})
-                responses += answer.get("responses") or []
                 revision = int(answer["header"]["revision"])
-            found = [r["response_range"].get("kvs") or [] for r in responses[len(deleting):]]
-            values = [_unb64(kvs[0].get("value", "")) if kvs else None for kvs in found]
+                responses += [(response, revision) for response in answer.get("responses") or []]
+            found = [(r["response_range"].get("kvs") or [], at) for r, at in responses[len(deleting):]]
+            values = [_unb64(kvs[0].get("value", "")) if kvs else None for kvs, _ in found]
         except (AttributeError, KeyError, TypeError, ValueError, IndexError):
             values = []
         if len(values) != len(keys):
             raise EtcdUnavailable("etcd: the answer to a transaction of reads is not etcd's")
-        return values, revision
+        learnt = zip([*deleting, *keys], [None] * len(deleting) + values, (at for _, at in responses))
+        for key, value, at in learnt:
+            self._watches.note(key, value, at)
+        return values
+
+    def wait_any(self, keys: Sequence[str], timeout: float, fetch: Sequence[str] = (),
+                 then: Mapping[str, str] | None = None) -> dict[str, bytes | None]:
+        """Return once one of ``keys`` exists, or after ``timeout`` s: the keys seen set (none: empty), with their
+        values. The watches it waits on stay open for the next call (:mod:`ftrun.store.etcd_watch`): a key
+        and its successor in ``then`` (a sender's next broadcast) share one, whose events carry the values."""
+        successors = then or {}
+        ranges = {key: range_for(key, successors.get(key)) for key in keys}
+        return self._watch(self._watches, ranges, time.monotonic() + timeout)
+
+    def _watch(self, watches: Watches, ranges: dict[str, KeyRange], deadline: float) -> dict[str, bytes | None]:
+        """Wait on ``watches`` until one of the keys of ``ranges`` (key to the range to watch it in) exists, or
+        the monotonic ``deadline`` passes (empty): the keys that came, with their values. Keys no open watch
+        knows are read first, and the ranges with no watch open get one from just after that read."""
+        while True:
+            if self._interrupted.is_set():
+                raise EtcdUnavailable("etcd: the wait was interrupted")
+            watches.keep(ranges.values())
+            unknown = watches.unknown(ranges)
+            if unknown:
+                opening = watches.missing(ranges.values())
+                prefixes = [key_range.start for key_range in opening if key_range.prefix]
+                values, listed, revision = self._snapshot(unknown, prefixes)
+                there = {key: value for key, value in zip(unknown, values) if value is not None}
+                if there:
+                    return there
+                try:
+                    for key_range in opening:
+                        watches.add(OpenWatch(self._clients[self._current], key_range, revision + 1, self._prefix,
+                                              watches.changed, self.timeout,
+                                              listed.get(key_range.start) if key_range.prefix else None))
+                except OSError:  # that member went away since the read: the next read goes to another
+                    self._current = (self._current + 1) % len(self._clients)
+                    if time.monotonic() >= deadline:
+                        return {}
+                    continue
+                for key in unknown:
+                    watches.note(key, None, revision)
+            came = watches.await_any(ranges, deadline, self._interrupted.is_set, time.monotonic)
+            if came is not None:
+                if self._interrupted.is_set():
+                    raise EtcdUnavailable("etcd: the wait was interrupted")
+                return came
+            self._current = (self._current + 1) % len(self._clients)  # a watch ended: its member went away
+
+    def _snapshot(self, keys: Sequence[str], prefixes: Sequence[str]) -> tuple[list[bytes | None], dict[str, list[str]],
+                                                                               int]:
+        """In one transaction: the value of each of ``keys`` (None where absent), the names of the keys under each
+        of ``prefixes`` (not their values), and the revision they were read at."""
+        ops = [{"request_range": {"key": _b64(self._key(key))}} for key in keys]
+        ops += [{"request_range": {"key": _b64(self._key(prefix)), "range_end": _b64(_prefix_end(self._key(prefix))),
+                                   "keys_only": True}} for prefix in prefixes]
+        answer = self._call("kv/txn", {"success": ops})
+        try:
+            found = [response["response_range"].get("kvs") or [] for response in answer.get("responses") or []]
+            values = [_unb64(kvs[0].get("value", "")) if kvs else None for kvs in found[:len(keys)]]
+            listed = {prefix: [_unb64(kv["key"])[len(self._prefix):].decode(errors="replace") for kv in kvs]
+                      for prefix, kvs in zip(prefixes, found[len(keys):])}
+            revision = int(answer["header"]["revision"])
+        except (AttributeError, KeyError, TypeError, ValueError, IndexError):
+            found = []
+        if len(found) != len(ops):
+            raise EtcdUnavailable("etcd: the answer to a transaction of reads is not etcd's")
+        return values, listed, revision
 
     def get(self, key: str) -> bytes:
         """The value under ``key``, waiting for it up to the client's timeout."""
@@ -250,6 +298,15 @@ class EtcdKeyValue:
             if answer.get("succeeded"):
                 return new
         raise EtcdUnavailable(f"etcd: {key} changed under {CAS_TRIES} attempts to add to it")
+
+    def create(self, key: str, value: str | bytes) -> bool:
+        """Write ``value`` under ``key`` unless it exists (a transaction on its create revision); whether this
+        call wrote it."""
+        encoded = _b64(self._key(key))
+        compare = {"key": encoded, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
+        answer = self._call("kv/txn", {"compare": [compare],
+                                       "success": [{"request_put": {"key": encoded, "value": _b64(value)}}]})
+        return bool(answer.get("succeeded"))
 
     def check(self, keys: list[str]) -> bool:
         """Whether every one of ``keys`` exists (one read per key, none waits)."""
@@ -308,113 +365,31 @@ class EtcdKeyValue:
     # ------------------------------------------------------------------ watches
     def _await(self, key: str, deadline: float) -> bytes:
         """The value under ``key``: read, and while it is absent, watched from the revision of the read (a write
-        in between is not missed); EtcdUnavailable once the monotonic ``deadline`` passes."""
+        in between is not missed) on a watch of its own, closed when it comes; EtcdUnavailable once the
+        monotonic ``deadline`` passes."""
+        watches = Watches(self._watches.changed)  # one condition: interrupt() wakes this wait too
         pause = UNREACHABLE_PAUSE
-        while True:
-            try:
-                value, _, revision = self._range(key)
-            except EtcdUnreachable:  # every member at once, as when the one watched died and the others elect
-                if self._interrupted.wait(min(pause, max(0.0, deadline - time.monotonic()))) \
-                        or time.monotonic() >= deadline:
-                    raise
-                pause = min(2 * pause, UNREACHABLE_PAUSE_MAX)
-                continue
-            if value is not None:
-                return value
-            self._watch_put([key], revision, deadline)
+        try:
+            while True:
+                try:
+                    came = self._watch(watches, {key: KeyRange(key)}, deadline)
+                except EtcdUnreachable:  # every member at once, as when the one watched died and the others elect
+                    if self._interrupted.wait(min(pause, max(0.0, deadline - time.monotonic()))) \
+                            or time.monotonic() >= deadline:
+                        raise
+                    pause = min(2 * pause, UNREACHABLE_PAUSE_MAX)
+                    continue
+                if key in came and came[key] is not None:
+                    return came[key]
+                raise EtcdUnavailable(f"etcd: {key} did not appear in time")
+        finally:
+            watches.close()
 
     def interrupt(self) -> None:
         """End the wait in progress, and every later one, at once (EtcdUnavailable): for a reader that stops."""
         self._interrupted.set()
-        waiting = self._waiting
-        if waiting is not None:
-            waiting.put(_INTERRUPTED)
+        self._watches.wake()
 
-    def _watch_put(self, keys: Sequence[str], revision: int, deadline: float) -> None:
-        """Block until one of ``keys`` is written after ``revision``, or the member watched goes away (the caller
-        reads again, from another endpoint); EtcdUnavailable once ``deadline`` passes or on :meth:`interrupt`."""
-        left = deadline - time.monotonic()
-        what = ", ".join(keys)
-        if left <= 0:
-            raise EtcdUnavailable(f"etcd: {what} did not appear in time")
-        if self._interrupted.is_set():
-            raise EtcdUnavailable("etcd: the wait was interrupted")
-        client = self._clients[self._current]
-        events: queue.SimpleQueue[object] = queue.SimpleQueue()
-        opened: list[tuple[Any, Any]] = []  # a connection of its own per watch: a closed stream poisons no pool
-        try:
-            for key in keys:
-                body = {"create_request": {"key": _b64(self._key(key)), "start_revision": revision + 1,
-                                           "filters": ["NODELETE"]}}
-                session = _session_like(client.session)
-                try:
-                    response = session.post(client.get_url("/watch"), json=body, stream=True,
-                                            timeout=(self.timeout, None))
-                except OSError:
-                    session.close()
-                    self._current = (self._current + 1) % len(self._clients)
-                    return
-                opened.append((session, response))
-                threading.Thread(target=_read_watch, args=(response, events), name="ftrun-etcd-watch",
-                                 daemon=True).start()
-            self._waiting = events
-            if self._interrupted.is_set():  # interrupt() came after the look above, before the line above
-                events.put(_INTERRUPTED)
-            try:
-                outcome = events.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise EtcdUnavailable(f"etcd: {what} did not appear in time") from None
-        finally:
-            self._waiting = None
-            for session, response in opened:
-                _close_stream(response)
-                session.close()
-        if outcome is _INTERRUPTED:
-            raise EtcdUnavailable("etcd: the wait was interrupted")
-        if outcome is _ENDED:  # the member went away under the watch: the next read goes to another endpoint
-            self._current = (self._current + 1) % len(self._clients)
-
-
-_PUT, _ENDED, _INTERRUPTED = object(), object(), object()
-"""What a watch's reader thread reports: the key was written; the stream ended; the wait was interrupted."""
-
-
-def _session_like(session: Any) -> Any:
-    """A new HTTP session with ``session``'s TLS settings and headers (the auth token)."""
-    import requests
-
-    fresh = requests.Session()
-    fresh.trust_env, fresh.verify, fresh.cert = False, session.verify, session.cert
-    fresh.headers.update(session.headers)
-    return fresh
-
-
-def _read_watch(response: Any, events: queue.SimpleQueue[object]) -> None:
-    """On a thread: read a watch stream until its first event (a write of the key) or its end."""
-    try:
-        for line in response.iter_lines():
-            if line and json.loads(line).get("result", {}).get("events"):
-                events.put(_PUT)
-                return
-    except Exception:  # noqa: BLE001 -- a closed or broken stream, or a line that is not JSON: the watch is over
-        pass
-    events.put(_ENDED)
-
-
-def _close_stream(response: Any) -> None:
-    """End a watch stream, unblocking its reader thread: shut down the stream's own socket under it, then close.
-
-    The socket is the connection object's (urllib3's), never one made from the stream's file descriptor
-    number: the reader thread may have closed that descriptor already, and its number may by now be another
-    socket of this process's (a worker's, a store's), which a shutdown would cut.
-    """
-    sock = getattr(getattr(response.raw, "_connection", None), "sock", None)
-    if sock is not None:
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:  # closed meanwhile
-            pass
-    try:
-        response.close()
-    except (OSError, AttributeError, ValueError):  # the reader thread closed it under us (http.client is not
-        pass  # thread-safe): it is closed either way, and the wait's thread must not die of it
+    def close(self) -> None:
+        """Close the watches kept open for :meth:`wait_any`."""
+        self._watches.close()

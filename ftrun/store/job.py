@@ -100,7 +100,10 @@ class JobStore:
         return where["host"], where["port"]
 
     def stand_for_leader(self, term: int) -> bool:
-        """Whether this node won the election of ``term`` (the first to claim it: an atomic add)."""
+        """Whether this node won the election of ``term`` (the first to claim it: an atomic add, or where the
+        store has it, a create that only one claim can make, so that a thousand claims cost a request each)."""
+        if self.native_leases:
+            return self._leasing().create(keys.leader_claim(term), "1")
         return self.kv.add(keys.leader_claim(term), 1) == 1
 
     def announce_leader(self, term: int, node: int, host: str, port: int) -> None:

@@ -54,7 +54,11 @@ class BatchingKeyValue(KeyValue, Protocol):
 @runtime_checkable
 class LeasingKeyValue(KeyValue, Protocol):
     """A store that keeps leases itself (etcd): keys on a lease go when nobody keeps it alive, on the store's
-    clock. Node leases use them where the backend has them (:mod:`ftrun.store.leases`)."""
+    clock. Node leases use them where the backend has them (:mod:`ftrun.store.leases`). It also creates a key
+    only where none is (one request each, however many try at once: an election's claims)."""
+
+    def create(self, key: str, value: str | bytes) -> bool:
+        """Write ``value`` under ``key`` unless the key exists; whether this call wrote it."""
 
     def grant_lease(self, ttl: float) -> int:
         """A new lease, ended ``ttl`` seconds after its last keep-alive; its id."""

@@ -96,10 +96,10 @@ def test_a_wait_sees_a_key_written_while_it_watches_and_interrupt_ends_it(etcd_c
 def test_an_interrupt_that_comes_while_the_watch_is_being_opened_ends_the_wait(etcd_cluster, monkeypatch):
     # the interrupt lands after the wait's own look at it and before the watch it opens is registered: the
     # wait still ends at once (it used to sit out its timeout, and a reader's stop gave up on its thread)
-    from ftrun.store import etcd
+    from ftrun.store import etcd_watch
 
     waiter = client(etcd_cluster, "opening")
-    opened = etcd._session_like
+    opened = etcd_watch.session_like
 
     def interrupted_while_opening(session):
         fresh = opened(session)
@@ -107,7 +107,7 @@ def test_an_interrupt_that_comes_while_the_watch_is_being_opened_ends_the_wait(e
         fresh.post = lambda *args, **kwargs: (waiter.interrupt(), post(*args, **kwargs))[1]
         return fresh
 
-    monkeypatch.setattr(etcd, "_session_like", interrupted_while_opening)
+    monkeypatch.setattr(etcd_watch, "session_like", interrupted_while_opening)
     with pytest.raises(EtcdUnavailable, match="interrupted"):
         waiter.wait(["never"], timedelta(seconds=5))
 

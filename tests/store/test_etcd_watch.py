@@ -1,0 +1,113 @@
+"""The watches :meth:`EtcdKeyValue.wait_any` keeps open: which range a wait watches, what a client knows of a
+key and from when, and the events read off a watch stream (pure), then against a real etcd member: a sender's
+next broadcast comes in its watch's event with no request, and a watch whose member went away is opened again."""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+
+import pytest
+
+from etcd_members import Cluster
+from ftrun.store.etcd import EtcdKeyValue
+from ftrun.store.etcd_config import EtcdOptions, parse_endpoints
+from ftrun.store.etcd_watch import KeyRange, Known, parse_events, range_for
+
+
+def client(cluster: Cluster, run_id: str) -> EtcdKeyValue:
+    return EtcdKeyValue(EtcdOptions(parse_endpoints(cluster.endpoints), run_id), 5.0)
+
+
+def counting(kv: EtcdKeyValue) -> list[str]:
+    """The paths of every call ``kv`` makes from now on (reads, writes; not a watch's stream)."""
+    calls: list[str] = []
+    call = kv._call
+    kv._call = lambda path, body: (calls.append(path), call(path, body))[1]  # type: ignore[method-assign]
+    return calls
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("key, successor, watched", [
+    ("ftrun/mail/all/node0/7", "ftrun/mail/all/node0/8", KeyRange("ftrun/mail/all/node0/", prefix=True)),
+    ("ftrun/bell/node3", None, KeyRange("ftrun/bell/node3")),  # every node's bells share a parent: not watched
+    ("ftrun/mail/all/node0/7", "ftrun/mail/all/node1/1", KeyRange("ftrun/mail/all/node0/7")),
+    ("ftrun/mail/all/node0/7", "ftrun/mail/all/node0/8/x", KeyRange("ftrun/mail/all/node0/7")),
+    ("bell", "news", KeyRange("bell")),
+])
+def test_a_wait_watches_the_parent_its_key_shares_with_its_successor_else_the_key(key, successor, watched):
+    assert range_for(key, successor) == watched
+    assert watched.covers(key) and not KeyRange("a/b").covers("a/bc") and KeyRange("a/", True).covers("a/bc")
+
+
+@pytest.mark.fast
+def test_what_is_known_of_a_key_is_its_latest_revision_and_a_listing_makes_the_rest_absent():
+    known = Known()
+    known.note("k", b"v2", 7)
+    known.note("k", b"v1", 5)  # an older read, arriving later, changes nothing
+    assert "k" in known and known.value("k") == b"v2" and "other" not in known
+    known.note("k", None, 9)  # deleted
+    assert "k" in known and known.value("k") is None
+
+    listed = Known(listed=["present"], limit=4)
+    assert "absent" in listed and listed.value("absent") is None  # not listed: absent until an event says
+    assert "present" not in listed  # listed, value never read: unknown
+    for revision, key in enumerate("abcde", start=1):
+        listed.note(key, key.encode(), revision)
+    # past the limit the oldest half is forgotten: unknown again, never taken for absent
+    assert "a" not in listed and "b" not in listed and listed.value("e") == b"e"
+
+
+@pytest.mark.fast
+def test_a_watch_streams_lines_are_read_as_events_and_anything_else_ends_it():
+    def b64(text: str) -> str:
+        return base64.b64encode(text.encode()).decode()
+
+    line = json.dumps({"result": {"header": {"revision": "12"}, "events": [
+        {"kv": {"key": b64("/ftrun/j/k"), "value": b64("v"), "mod_revision": "11"}},
+        {"type": "DELETE", "kv": {"key": b64("/ftrun/j/gone"), "mod_revision": "12"}},
+        {"kv": {"key": b64("/ftrun/other/k"), "value": b64("x"), "mod_revision": "12"}},
+    ]}}).encode()
+    assert parse_events(line, b"/ftrun/j/") == ([("k", b"v", 11), ("gone", None, 12)], False)
+    assert parse_events(b'{"result": {"created": true}}', b"/ftrun/j/") == ([], False)
+    assert parse_events(b'{"result": {"canceled": true, "compact_revision": "3"}}', b"/") == ([], True)
+    for junk in [b"<html>", b"[1]", b'{"error": {"message": "x"}}', b'{"result": {"events": [{"kv": 1}]}}']:
+        with pytest.raises(ValueError):
+            parse_events(junk, b"/")
+
+
+def test_a_senders_next_broadcast_comes_in_its_watchs_event_with_no_request(etcd_cluster):
+    reader, sender = client(etcd_cluster, "watch"), client(etcd_cluster, "watch")
+    sender.set("all/s/1", b"one")
+    assert reader.wait_any(["bell", "all/s/1"], 5, ["all/s/1"], {"all/s/1": "all/s/2"}) == {"all/s/1": b"one"}
+    assert reader.wait_any(["bell", "all/s/2"], 0.2, ["all/s/2"], {"all/s/2": "all/s/3"}) == {}  # opens them
+    calls = counting(reader)
+    for index in range(2, 6):
+        sent = threading.Timer(0.05, sender.set, (f"all/s/{index}", f"m{index}"))
+        sent.start()
+        came = reader.wait_any(["bell", f"all/s/{index}"], 10, [f"all/s/{index}"],
+                               {f"all/s/{index}": f"all/s/{index + 1}"})
+        sent.join()
+        assert came == {f"all/s/{index}": f"m{index}".encode()}
+    assert calls == []  # each value came with its event: no read, no new watch
+    sender.set("bell", b"")
+    assert reader.wait_any(["bell", "all/s/6"], 10, ["all/s/6"], {"all/s/6": "all/s/7"}) == {"bell": b""}
+    reader.read_many([], deleting=["bell"])  # the reader's own delete is known at once: not news
+    assert reader.wait_any(["bell", "all/s/6"], 0.2, ["all/s/6"], {"all/s/6": "all/s/7"}) == {}
+    assert calls == ["kv/txn"]
+    reader.close()
+
+
+def test_a_watch_whose_member_went_away_is_opened_again_with_a_fresh_read(tmp_path):
+    cluster = Cluster(tmp_path, size=1)
+    try:
+        reader, sender = client(cluster, "j"), client(cluster, "j")
+        assert reader.wait_any(["bell", "news"], 0.2, ["news"]) == {}  # its watches are open
+        cluster.members[0].kill()
+        cluster.restart(0)
+        sender.set("news", b"after")
+        assert reader.wait_any(["bell", "news"], 30, ["news"]) == {"news": b"after"}
+        reader.close()
+    finally:
+        cluster.stop()
