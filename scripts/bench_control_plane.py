@@ -18,8 +18,8 @@ plans. Every store call of every simulated agent goes through a counter. Per N i
   not spread is the store's one thread.
 
 * leader failover (etcd only: with the embedded store node 0's loss ends the job): the leader renews a lease
-  too, and every follower watches it as a follower's agent does (NodeLeases, two looks per timeout). The
-  leader stops renewing; each follower that sees the lease run out stands for leader of the next term
+  too, and every follower watches it as a follower's agent does (NodeLeases, two looks per timeout; the
+  followers of each process look in one loop, as each agent looks in its own). The leader stops renewing; each follower that sees the lease run out stands for leader of the next term
   (ftrun.agent.failover.elect: one atomic add), and the others wait for the winner's word. Reported: the
   time from the leader's last renewal to each follower knowing the new leader, p50 and max, against
   ``--node-timeout`` (the target is under 2 x the lease time), and that exactly one node won.
@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import resource
+import select
 import selectors
 import statistics
 import subprocess
@@ -73,8 +74,8 @@ class Counting:
             return attribute
 
         def counted(*args: Any, **kwargs: Any) -> Any:
-            calls = {"read_many": lambda: len(args[0]) + len(args[1]), "set_many": lambda: len(args[0])}.get(
-                name, lambda: 1)()
+            calls = {"read_many": lambda: len(args[0]) + len(args[1] if len(args) > 1 else kwargs.get("deleting", ())),
+                     "set_many": lambda: len(args[0])}.get(name, lambda: 1)()
             with self.lock:
                 self.counter[0] += calls
                 self.by_call[name] = self.by_call.get(name, 0) + calls
@@ -119,7 +120,8 @@ class Plane:
     ``processes`` forked processes, each reporting the messages its readers hand on and, when asked, its store
     requests)."""
 
-    def __init__(self, agents: int, node_timeout: float, store: Callable[[], KeyValue], processes: int) -> None:
+    def __init__(self, agents: int, node_timeout: float, monitor_interval: float, store: Callable[[], KeyValue],
+                 processes: int) -> None:
         self.store = store
         self.seal = Seal(new_secret())
         self.requests, self.lock = [0], threading.Lock()
@@ -128,7 +130,8 @@ class Plane:
         followers = list(range(1, agents))
         self.children: list[Follower] = []
         for i in range(min(processes, len(followers))):
-            self.children.append(Follower.fork(self, followers[i::processes], node_timeout, self.children))
+            self.children.append(Follower.fork(self, followers[i::processes], (node_timeout, monitor_interval),
+                                               self.children))
         self.delivered: dict[int, list[float]] = {}
         read_end, self.wake = os.pipe()
         os.set_blocking(self.wake, False)
@@ -192,36 +195,51 @@ class Plane:
 
     def failover(self, node_timeout: float, monitor_interval: float) -> tuple[list[float], set[int]]:
         """Stop the leader's lease renewals; each follower's time from the last renewal to knowing the elected
-        leader (seconds), and the nodes that the followers were told lead."""
+        leader (seconds), and the nodes that the followers were told lead. Each follower process watches for
+        its own followers, as each node's agent does."""
         keeper = LeaseKeeper(self.connect, 0, node_timeout)
         keeper.start()
         while keeper.renewals < 2:  # renewing, and seen renewing
             time.sleep(monitor_interval)
-        known: dict[int, tuple[float, int]] = {}
-        watchers = [threading.Thread(target=self._watch_leader, args=(node, node_timeout, monitor_interval, known))
-                    for node in range(1, self.agents)]
-        for watcher in watchers:
-            watcher.start()
+        for child in self.children:
+            child.start_watching()
         time.sleep(node_timeout / 2)  # the watchers have looked at least once
         keeper.stop()
         last_renewal = keeper.renewed
-        for watcher in watchers:
-            watcher.join(node_timeout * 10)
-        if len(known) < len(watchers):
-            raise SystemExit(f"failover: {len(watchers) - len(known)} followers learned of no leader")
-        return [when - last_renewal for when, _ in known.values()], {node for _, node in known.values()}
+        known = [learnt for child in self.children for learnt in child.learnt(node_timeout * 10)]
+        if len(known) < self.agents - 1:
+            raise SystemExit(f"failover: {self.agents - 1 - len(known)} followers learned of no leader")
+        return [when - last_renewal for when, _ in known], {node for _, node in known}
 
-    def _watch_leader(self, node: int, node_timeout: float, monitor_interval: float,
-                      known: dict[int, tuple[float, int]]) -> None:
-        """One follower: watch node 0's lease until it runs out, then elect (or learn) the next leader."""
-        store = self.connect()
-        lease = NodeLeases(store, [0], node_timeout, time.monotonic(), evicts=False, looks_per_timeout=2)
-        deadline = time.monotonic() + node_timeout * 8
-        while not lease.expired(time.monotonic()) and time.monotonic() < deadline:
+    @staticmethod
+    def watch_leader(connect: Callable[[], JobStore], nodes: list[int], node_timeout: float, monitor_interval: float,
+                     tell: Callable[[tuple[float, int] | None], None]) -> None:
+        """Some followers, in one loop (as each node's agent looks in its own loop): watch node 0's lease until
+        it runs out, then each elects (or learns) the next leader on a thread of its own; ``tell`` is given
+        when each knew, and who leads (None: it learned of no leader, or the store failed it)."""
+        def elect_one(store: JobStore, node: int) -> None:
+            try:
+                won = elect(store, 1, node, lambda: ("127.0.0.1", 1), node_timeout)
+            except RuntimeError:
+                won = None
+            tell((time.monotonic(), won.node) if won is not None else None)
+
+        now = time.monotonic()
+        watching = {node: (store, NodeLeases(store, [0], node_timeout, now, evicts=False, looks_per_timeout=2))
+                    for node, store in ((node, connect()) for node in nodes)}
+        deadline = now + node_timeout * 8
+        while watching and time.monotonic() < deadline:
+            for node, (store, lease) in list(watching.items()):
+                try:
+                    ended = bool(lease.expired(time.monotonic()))
+                except RuntimeError:
+                    continue  # looked again at the next turn
+                if ended:
+                    del watching[node]
+                    threading.Thread(target=elect_one, args=(store, node), daemon=True).start()
             time.sleep(monitor_interval)
-        won = elect(store, 1, node, lambda: ("127.0.0.1", 1), node_timeout)
-        if won is not None:
-            known[node] = (time.monotonic(), won.node)
+        for _ in watching:
+            tell(None)
 
     def close(self) -> None:
         self.leader_reader.stop()
@@ -233,19 +251,23 @@ class Plane:
 
 class Follower:
     """A forked process running the readers and leases of some simulated followers; it writes a line
-    ``GEN TIME`` to its results pipe for each message a reader hands on, and answers ``r`` on its command
-    pipe with its store requests so far (one JSON line)."""
+    ``GEN TIME`` to its results pipe for each message a reader hands on, answers ``r`` on its command
+    pipe with its store requests so far (one JSON line), and on ``f`` starts watching the leader's lease for
+    each of its followers (a line ``F TIME LEADER`` for each once it knows the next leader, ``F -`` if none)."""
 
     def __init__(self, pid: int, commands: int, results: int) -> None:
         self.pid, self.commands, self.results = pid, commands, results
         self._buffer = b""
         self._pending: list[tuple[int, float]] = []
         self._answers: list[list[Any]] = []
+        self._learnt: list[tuple[float, int] | None] = []
+        self._watching = 0
 
     @classmethod
-    def fork(cls, plane: Plane, nodes: list[int], node_timeout: float, earlier: list[Follower]) -> Follower:
+    def fork(cls, plane: Plane, nodes: list[int], timing: tuple[float, float], earlier: list[Follower]) -> Follower:
         """Start the process for ``nodes`` (before the calling process starts threads of its own); it closes
-        the ``earlier`` processes' pipes, so that each sees the end of its command pipe when the bench closes it."""
+        the ``earlier`` processes' pipes, so that each sees the end of its command pipe when the bench closes it.
+        ``timing``: the job's --node-timeout and --monitor-interval."""
         command_read, command_write = os.pipe()
         result_read, result_write = os.pipe()
         pid = os.fork()
@@ -253,15 +275,18 @@ class Follower:
             for fd in [command_write, result_read, *(fd for f in earlier for fd in (f.commands, f.results))]:
                 os.close(fd)
             try:
-                cls._serve(plane, nodes, node_timeout, command_read, result_write)
+                cls._serve(plane, nodes, timing, command_read, result_write)
             finally:
                 os._exit(0)
         os.close(command_read)
         os.close(result_write)
-        return cls(pid, command_write, result_read)
+        follower = cls(pid, command_write, result_read)
+        follower._watching = len(nodes)
+        return follower
 
     @staticmethod
-    def _serve(plane: Plane, nodes: list[int], node_timeout: float, commands: int, results: int) -> None:
+    def _serve(plane: Plane, nodes: list[int], timing: tuple[float, float], commands: int, results: int) -> None:
+        node_timeout, monitor_interval = timing
         selector = selectors.DefaultSelector()
         selector.register(commands, selectors.EVENT_READ, None)
         readers = []
@@ -275,20 +300,33 @@ class Follower:
         leases = [LeaseKeeper(plane.connect, node, node_timeout) for node in nodes]
         for worker in [*readers, *leases]:
             worker.start()
+        writing = threading.Lock()
+
+        def tell(out: Any, learnt: tuple[float, int] | None) -> None:
+            with writing:
+                out.write(f"F {learnt[0]} {learnt[1]}\n" if learnt is not None else "F -\n")
+
         with os.fdopen(results, "w", buffering=1) as out:
             while True:
                 for selected, _ in selector.select():
                     if selected.data is None:
-                        if os.read(commands, 1) != b"r":  # closed: the bench is done
+                        command = os.read(commands, 1)
+                        if command == b"f":
+                            threading.Thread(target=Plane.watch_leader, daemon=True, args=(
+                                plane.connect, nodes, node_timeout, monitor_interval,
+                                lambda learnt, out=out: tell(out, learnt))).start()
+                            continue
+                        if command != b"r":  # closed: the bench is done
                             for worker in [*readers, *leases]:
                                 worker.stop()
                             return
-                        with plane.lock:
+                        with plane.lock, writing:
                             out.write(json.dumps([plane.requests[0], plane.by_call]) + "\n")
                         continue
                     os.read(selected.fd, 4096)
                     now = time.monotonic()
-                    out.writelines(f"{m['gen']} {now}\n" for m in selected.data.take() if "gen" in m)
+                    with writing:
+                        out.writelines(f"{m['gen']} {now}\n" for m in selected.data.take() if "gen" in m)
 
     def read_deliveries(self) -> list[tuple[int, float]]:
         """The deliveries reported since the last call (reads the results pipe: call it when it is readable)."""
@@ -308,11 +346,27 @@ class Follower:
         made, by_call = self._answers.pop(0)
         return made, by_call
 
+    def start_watching(self) -> None:
+        """Have each of this process's followers watch the leader's lease (and elect when it ends)."""
+        os.write(self.commands, b"f")
+
+    def learnt(self, wait: float) -> list[tuple[float, int]]:
+        """When each follower knew the next leader, and which node it was told leads (waits up to ``wait`` s for
+        every follower; those that learned of none are left out)."""
+        deadline = time.monotonic() + wait
+        while len(self._learnt) < self._watching and time.monotonic() < deadline:
+            if select.select([self.results], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                self._read()
+        return [learnt for learnt in self._learnt if learnt is not None]
+
     def _read(self) -> None:
         self._buffer += os.read(self.results, 1 << 16)
         *lines, self._buffer = self._buffer.split(b"\n")
         for line in map(bytes.decode, lines):
-            if line.startswith("["):
+            if line.startswith("F"):
+                fields = line.split()
+                self._learnt.append((float(fields[1]), int(fields[2])) if len(fields) == 3 else None)
+            elif line.startswith("["):
                 self._answers.append(json.loads(line))
             else:
                 gen, when = line.split()
@@ -358,7 +412,7 @@ def main() -> None:
           f"{'store ms/plan':>14} {'machine ms/plan':>16} {'failover p50 s':>15} {'failover max s':>15}  idle, by call")
     for agents in args.agents:
         connect, store_cpu = etcd_store(args.etcd, agents) if args.etcd else embedded_store()
-        plane = Plane(agents, args.node_timeout, connect, args.processes)
+        plane = Plane(agents, args.node_timeout, args.monitor_interval, connect, args.processes)
         try:
             plane.broadcast(0)  # every reader connected and waiting on its bell
             idle, by_call = plane.idle_load(args.idle, args.monitor_interval)

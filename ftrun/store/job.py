@@ -27,6 +27,11 @@ def decode_object(raw: bytes | str) -> dict[str, Any]:
     return value
 
 
+LEASES_READ_ONE_BY_ONE = 64
+"""Below this many nodes, a look at native leases reads theirs in one batch rather than every node's lease: a
+follower watching its leader reads one key, not a thousand."""
+
+
 class JobStore:
     """The one interface the agents, the hostfile launcher, ``ftrun status`` and ``ftrun inject`` use.
 
@@ -255,8 +260,14 @@ class JobStore:
 
     def lease_renewals(self, nodes: list[int]) -> dict[int, int | None]:
         """How often each of ``nodes`` has renewed its lease; None before its first renewal, when the value
-        there is not its agent's, or (native leases) once its lease ended. Native leases: one read for every
-        node; otherwise, once every node has renewed, one request per node and one for them all."""
+        there is not its agent's, or (native leases) once its lease ended. Native leases: one read of every
+        node's lease, or for fewer than :data:`LEASES_READ_ONE_BY_ONE` nodes (a follower watching its leader),
+        one batch of reads of theirs; otherwise, once every node has renewed, one request per node and one for
+        them all."""
+        if self.native_leases and self._batching and len(nodes) < LEASES_READ_ONE_BY_ONE:
+            wanted = [keys.lease(node) for node in nodes]
+            values = self.kv.read_many(wanted)  # type: ignore[attr-defined]
+            return {node: self._count(key, raw) for node, key, raw in zip(nodes, wanted, values)}
         if self.native_leases:
             found = self._leasing().read_prefix(keys.LEASE_PREFIX)
             return {node: self._count(keys.lease(node), found.get(keys.lease(node))) for node in nodes}
