@@ -19,8 +19,9 @@ plans. Every store call of every simulated agent goes through a counter. Per N i
 
 * leader failover (etcd only: with the embedded store node 0's loss ends the job): the leader renews a lease
   too, and every follower watches it as a follower's agent does (NodeLeases, two looks per timeout; the
-  followers of each process look in one loop, as each agent looks in its own). The leader stops renewing; each follower that sees the lease run out stands for leader of the next term
-  (ftrun.agent.failover.elect: one atomic add), and the others wait for the winner's word. Reported: the
+  followers of each process look in one loop, as each agent looks in its own). The leader stops renewing;
+  each follower that sees the lease run out stands for leader of the next term (ftrun.agent.failover.elect:
+  one create that only one can make), and the others wait for the winner's word. Reported: the
   time from the leader's last renewal to each follower knowing the new leader, p50 and max, against
   ``--node-timeout`` (the target is under 2 x the lease time), and that exactly one node won.
 
