@@ -18,7 +18,7 @@ plans. Every store call of every simulated agent goes through a counter. Per N i
   not spread is the store's one thread.
 
 * leader failover (etcd only: with the embedded store node 0's loss ends the job): the leader renews a lease
-  too, and every follower watches it as a follower's agent does (NodeLeases, two looks per timeout; the
+  too, and every follower watches it as a follower's agent does (NodeLeases, LEADER_LOOKS_PER_TIMEOUT looks per timeout; the
   followers of each process look in one loop, as each agent looks in its own). The leader stops renewing;
   each follower that sees the lease run out stands for leader of the next term (ftrun.agent.failover.elect:
   one create that only one can make), and the others wait for the winner's word. Reported: the
@@ -55,7 +55,7 @@ from ftrun.store.etcd import EtcdKeyValue
 from ftrun.store.etcd_config import etcd_options
 from ftrun.store.job import JobStore
 from ftrun.store.kv import KeyValue
-from ftrun.store.leases import LeaseKeeper, NodeLeases
+from ftrun.store.leases import LEADER_LOOKS_PER_TIMEOUT, LeaseKeeper, NodeLeases
 from ftrun.store.mailbox import MailReader, Outbox
 
 
@@ -226,7 +226,8 @@ class Plane:
             tell((time.monotonic(), won.node) if won is not None else None)
 
         now = time.monotonic()
-        watching = {node: (store, NodeLeases(store, [0], node_timeout, now, evicts=False, looks_per_timeout=2))
+        watching = {node: (store, NodeLeases(store, [0], node_timeout, now, evicts=False,
+                                                          looks_per_timeout=LEADER_LOOKS_PER_TIMEOUT))
                     for node, store in ((node, connect()) for node in nodes)}
         deadline = now + node_timeout * 8
         while watching and time.monotonic() < deadline:

@@ -26,7 +26,7 @@ from ftrun.store import keys
 from ftrun.store.auth import Seal
 from ftrun.store.host import StoreHost
 from ftrun.store.job import JobStore
-from ftrun.store.leases import NodeLeases
+from ftrun.store.leases import LEADER_LOOKS_PER_TIMEOUT, NodeLeases
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,8 @@ def follow_elected(won: Election, lost: int, links: NodeLinks, follower: Followe
                    timeout: float) -> None:
     """Another node was elected: read its mail (and no more of the lost leader's, should it come back), watch
     its lease, and tell it of this node's workers."""
-    leases = NodeLeases(store, [won.node], timeout, time.monotonic(), evicts=False, looks_per_timeout=2)
+    leases = NodeLeases(store, [won.node], timeout, time.monotonic(), evicts=False,
+                        looks_per_timeout=LEADER_LOOKS_PER_TIMEOUT)
     links.mail.drop_sender(keys.node_box(lost))
     links.mail.add_sender(keys.node_box(won.node), store, broadcasts=True)
     links.leader_lease = leases

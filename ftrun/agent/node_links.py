@@ -11,7 +11,7 @@ from ftrun.agent.store_access import StoreAccess
 from ftrun.config import LaunchConfig
 from ftrun.store import keys
 from ftrun.store.job import JobStore
-from ftrun.store.leases import LeaseKeeper, NodeLeases
+from ftrun.store.leases import LEADER_LOOKS_PER_TIMEOUT, LeaseKeeper, NodeLeases
 from ftrun.store.mailbox import MailReader, Outbox
 
 
@@ -58,8 +58,7 @@ def start_links(config: LaunchConfig, leader: bool, store: JobStore, access: Sto
         lease.start()
     if config.multinode and not leader and config.etcd is not None:
         leader_lease = NodeLeases(store, [0], config.node_timeout, time.monotonic(), evicts=False,
-                                  looks_per_timeout=2,  # two requests a look: 0.4 a second at 10 s
-                                  start_grace=config.node_start_timeout)
+                                  looks_per_timeout=LEADER_LOOKS_PER_TIMEOUT, start_grace=config.node_start_timeout)
     return NodeLinks(mail, Outbox(store, keys.node_box(config.node_rank)), node_leases, lease, leader_lease)
 
 

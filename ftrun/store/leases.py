@@ -26,6 +26,10 @@ START_GRACE = 60.0
 ``--rdzv-conf join_timeout`` says."""
 RENEWALS_PER_TIMEOUT = 5
 """A follower renews this many times per ``--node-timeout``."""
+LEADER_LOOKS_PER_TIMEOUT = 5
+"""With etcd, a follower looks at its leader's lease this many times per ``--node-timeout`` (one read of one
+key each: 0.5 requests a second at 10 s), so it knows the leader lost at most a fifth of the timeout after
+etcd ended the lease."""
 EVICTION_CHECK_EVERY = 2
 """A follower looks for the leader's eviction mark at every this many renewals (the mark is a backstop: a
 node cut off long enough to be evicted has fenced itself already)."""
