@@ -29,10 +29,12 @@ FTRUN = [sys.executable, "-m", "ftrun"]
 
 
 class Steps:
-    """Reads a job's stdout in a thread (so the pipe never fills) and lets the test await a step."""
+    """Reads a job's stdout in a thread (so the pipe never fills) and lets the test await a step; keeps the
+    lines that are not steps (ftrun's own, a worker's traceback) for an assertion's message."""
 
     def __init__(self, stdout: io.TextIOBase) -> None:
         self.step = -1
+        self.said: list[str] = []
         self.changed = threading.Condition()
         self.thread = threading.Thread(target=self._read, args=(stdout,), daemon=True)
         self.thread.start()
@@ -40,10 +42,12 @@ class Steps:
     def _read(self, stdout: io.TextIOBase) -> None:
         for line in stdout:
             match = re.search(r"\bstep=(\d+) ", line)
-            if match:
-                with self.changed:
-                    self.step = max(self.step, int(match.group(1)))
-                    self.changed.notify_all()
+            if not match:
+                self.said.append(line)
+                continue
+            with self.changed:
+                self.step = max(self.step, int(match.group(1)))
+                self.changed.notify_all()
 
     def reach(self, step: int, timeout: float = 60) -> int:
         """Wait until the job printed ``step`` (or a later one); returns the latest step printed."""
@@ -123,7 +127,8 @@ def test_status_of_a_live_job_through_a_fault_and_after_it_ends(live_job, launch
     code, doc = poll(capsys, steps, lambda d: d["recoveries"]["count"] == 1 and d["state"] == "running",
                      "--run-id", entry.run_id)
     assert code == 1 and doc["health"] == "degraded"
-    assert (doc["world_size"], doc["generation"], doc["faults"], doc["faults_survived"]) == (3, 1, 1, 1)
+    assert (doc["world_size"], doc["generation"], doc["faults"], doc["faults_survived"]) == (3, 1, 1, 1), \
+        "".join(steps.said)
     rows = {w["pid"]: w for w in doc["workers"]}
     assert rows[pids[2]]["state"] == "lost" and rows[pids[2]]["exit"] == "SIGKILL"
     assert sorted(rows[pids[r]]["rank"] for r in (0, 1, 3)) == [0, 1, 2]
