@@ -109,7 +109,9 @@ def test_status_of_a_live_job_through_a_fault_and_after_it_ends(live_job, launch
     pids = worker_pids(entry.run_dir)
 
     # found through the run registry, once every worker committed a step
-    code, doc = poll(capsys, steps, lambda d: all(w["step"] is not None for w in d["workers"]))
+    # (the job's step and its workers' come from records written apart, each once a second: wait for both)
+    code, doc = poll(capsys, steps, lambda d: d["step"] is not None and all(w["step"] is not None
+                                                                            for w in d["workers"]))
     assert code == 0 and doc["health"] == "healthy" and doc["state"] == "running"
     assert (doc["run_id"], doc["world_size"], doc["world_size_initial"], doc["generation"]) == (entry.run_id, 4, 4, 0)
     assert {w["rank"]: w["pid"] for w in doc["workers"]} == pids
