@@ -35,16 +35,12 @@ from datetime import timedelta
 from typing import Any
 
 from ftrun.store.etcd_config import EtcdOptions, EtcdUnavailable, EtcdUnreachable
-from ftrun.store.etcd_watch import KeyRange, OpenWatch, Watches, range_for
+from ftrun.store.etcd_watch import KeyRange, OpenWatch, Watches, b64, prefix_end, range_for
 
 TXN_PUTS = 128
 """Writes per transaction: etcd's default limit (--max-txn-ops)."""
 CAS_TRIES = 100
 """Compare-and-swap attempts before ``add`` gives up (each loses only to another writer's success)."""
-
-
-def _b64(data: str | bytes) -> str:
-    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
 
 
 def _unb64(text: str) -> bytes:
@@ -67,14 +63,10 @@ def _body(answer: dict[str, Any]) -> dict[str, Any]:
     return result if isinstance(result, dict) and "header" not in answer else answer
 
 
-def _prefix_end(prefix: bytes) -> bytes:
-    """The first key after every key that starts with ``prefix`` (etcd's ``range_end`` for a prefix)."""
-    return prefix[:-1] + bytes([prefix[-1] + 1])
-
-
 UNREACHABLE_PAUSE = 0.05
 """Seconds a wait pauses before it reads again when no member could be reached; doubled up to the next."""
 UNREACHABLE_PAUSE_MAX = 1.0
+
 
 class EtcdKeyValue:
     """A job's key-value store in an etcd cluster (see the module's description).
@@ -169,7 +161,7 @@ class EtcdKeyValue:
     def _range(self, key: str) -> tuple[bytes | None, int, int]:
         """The key's value (None when absent), its mod revision (0 then), and the revision the read was made at;
         EtcdUnavailable for an answer that is not etcd's."""
-        answer = self._call("kv/range", {"key": _b64(self._key(key))})
+        answer = self._call("kv/range", {"key": b64(self._key(key))})
         try:
             kvs = answer.get("kvs") or []
             revision = int(answer["header"]["revision"])
@@ -182,12 +174,12 @@ class EtcdKeyValue:
     # ------------------------------------------------------------------ KeyValue
     def set(self, key: str, value: str | bytes) -> None:
         """Write ``value`` under ``key``."""
-        self._call("kv/put", {"key": _b64(self._key(key)), "value": _b64(value)})
+        self._call("kv/put", {"key": b64(self._key(key)), "value": b64(value)})
 
     def set_many(self, items: list[tuple[str, str | bytes]]) -> None:
         """Write every ``(key, value)``, in order, up to TXN_PUTS in one transaction (one write, one fsync)."""
         for start in range(0, len(items), TXN_PUTS):
-            puts = [{"request_put": {"key": _b64(self._key(key)), "value": _b64(value)}}
+            puts = [{"request_put": {"key": b64(self._key(key)), "value": b64(value)}}
                     for key, value in items[start:start + TXN_PUTS]]
             self._call("kv/txn", {"success": puts})
 
@@ -196,8 +188,8 @@ class EtcdKeyValue:
         transaction (up to TXN_PUTS operations; a longer list takes more). What it learns (a key deleted, a key's
         value) is noted for the open watches, so that a wait right after it does not take its own delete for
         news."""
-        ops = [{"request_delete_range": {"key": _b64(self._key(key))}} for key in deleting]
-        ops += [{"request_range": {"key": _b64(self._key(key))}} for key in keys]
+        ops = [{"request_delete_range": {"key": b64(self._key(key))}} for key in deleting]
+        ops += [{"request_range": {"key": b64(self._key(key))}} for key in keys]
         responses: list[tuple[Any, int]] = []
         try:
             for start in range(0, len(ops), TXN_PUTS):
@@ -263,8 +255,8 @@ class EtcdKeyValue:
                                                                                int]:
         """In one transaction: the value of each of ``keys`` (None where absent), the names of the keys under each
         of ``prefixes`` (not their values), and the revision they were read at."""
-        ops = [{"request_range": {"key": _b64(self._key(key))}} for key in keys]
-        ops += [{"request_range": {"key": _b64(self._key(prefix)), "range_end": _b64(_prefix_end(self._key(prefix))),
+        ops = [{"request_range": {"key": b64(self._key(key))}} for key in keys]
+        ops += [{"request_range": {"key": b64(self._key(prefix)), "range_end": b64(prefix_end(self._key(prefix))),
                                    "keys_only": True}} for prefix in prefixes]
         answer = self._call("kv/txn", {"success": ops})
         try:
@@ -285,7 +277,7 @@ class EtcdKeyValue:
 
     def add(self, key: str, amount: int) -> int:
         """Add ``amount`` to the counter ``key`` (0 if absent): compare-and-swap on its mod revision."""
-        encoded = _b64(self._key(key))
+        encoded = b64(self._key(key))
         for _ in range(CAS_TRIES):
             value, mod_revision, _ = self._range(key)
             current = _counter(value)
@@ -294,7 +286,7 @@ class EtcdKeyValue:
                        else {"key": encoded, "target": "CREATE", "result": "EQUAL", "create_revision": "0"})
             new = current + amount
             answer = self._call("kv/txn", {"compare": [compare],
-                                           "success": [{"request_put": {"key": encoded, "value": _b64(str(new))}}]})
+                                           "success": [{"request_put": {"key": encoded, "value": b64(str(new))}}]})
             if answer.get("succeeded"):
                 return new
         raise EtcdUnavailable(f"etcd: {key} changed under {CAS_TRIES} attempts to add to it")
@@ -302,10 +294,10 @@ class EtcdKeyValue:
     def create(self, key: str, value: str | bytes) -> bool:
         """Write ``value`` under ``key`` unless it exists (a transaction on its create revision); whether this
         call wrote it."""
-        encoded = _b64(self._key(key))
+        encoded = b64(self._key(key))
         compare = {"key": encoded, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
         answer = self._call("kv/txn", {"compare": [compare],
-                                       "success": [{"request_put": {"key": encoded, "value": _b64(value)}}]})
+                                       "success": [{"request_put": {"key": encoded, "value": b64(value)}}]})
         return bool(answer.get("succeeded"))
 
     def check(self, keys: list[str]) -> bool:
@@ -320,7 +312,7 @@ class EtcdKeyValue:
 
     def delete_key(self, key: str) -> bool:
         """Delete ``key``; whether it existed."""
-        answer = self._call("kv/deleterange", {"key": _b64(self._key(key))})
+        answer = self._call("kv/deleterange", {"key": b64(self._key(key))})
         return str(answer.get("deleted", "0")) != "0"
 
     def list_keys(self) -> list[str]:
@@ -332,7 +324,7 @@ class EtcdKeyValue:
         return self._read_range(self._key(prefix), keys_only=False)
 
     def _read_range(self, start: bytes, keys_only: bool) -> dict[str, bytes]:
-        answer = self._call("kv/range", {"key": _b64(start), "range_end": _b64(_prefix_end(start)),
+        answer = self._call("kv/range", {"key": b64(start), "range_end": b64(prefix_end(start)),
                                          "keys_only": keys_only})
         try:
             return {_unb64(kv["key"])[len(self._prefix):].decode(errors="replace"): _unb64(kv.get("value", ""))
@@ -352,7 +344,7 @@ class EtcdKeyValue:
 
     def set_leased(self, key: str, value: str | bytes, lease: int) -> None:
         """Write ``value`` under ``key`` on ``lease``: etcd deletes it when the lease ends."""
-        self._call("kv/put", {"key": _b64(self._key(key)), "value": _b64(value), "lease": str(lease)})
+        self._call("kv/put", {"key": b64(self._key(key)), "value": b64(value), "lease": str(lease)})
 
     def keep_alive(self, lease: int) -> bool:
         """Renew ``lease`` for its TTL; False once etcd has ended it (and deleted its keys)."""

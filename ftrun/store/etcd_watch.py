@@ -165,9 +165,9 @@ class OpenWatch:
         self.ended = False
         self._changed = changed
         start = prefix + key_range.start.encode()
-        body: dict[str, Any] = {"create_request": {"key": _b64(start), "start_revision": revision}}
+        body: dict[str, Any] = {"create_request": {"key": b64(start), "start_revision": revision}}
         if key_range.prefix:
-            body["create_request"]["range_end"] = _b64(start[:-1] + bytes([start[-1] + 1]))
+            body["create_request"]["range_end"] = b64(prefix_end(start))
         self._session, self._response = open_watch(client, body, timeout)
         threading.Thread(target=self._read, args=(prefix,), name="ftrun-etcd-watch", daemon=True).start()
 
@@ -264,5 +264,11 @@ class Watches:
         self.keep(())
 
 
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
+def b64(data: str | bytes) -> str:
+    """``data`` (text as UTF-8) as etcd's JSON gateway takes bytes: base64."""
+    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """The first key after every key that starts with ``prefix`` (etcd's ``range_end`` for a prefix)."""
+    return prefix[:-1] + bytes([prefix[-1] + 1])
