@@ -59,9 +59,19 @@ def _is_open(fd: int) -> bool:
     return True
 
 
-def _connected_tcp(fds: set[int]) -> set[int]:
+Sockets = dict[int, tuple[int, int]]
+"""Connected TCP sockets by descriptor: descriptor -> the socket's identity (device and inode), which tells it
+apart from a later socket given the same descriptor number once this one is closed."""
+
+
+def _identity(fd: int) -> tuple[int, int]:
+    status = os.fstat(fd)
+    return status.st_dev, status.st_ino
+
+
+def _connected_tcp(fds: set[int]) -> Sockets:
     """Those of ``fds`` that are connected TCP sockets (listeners left out: Gloo's must keep accepting)."""
-    found = set()
+    found: Sockets = {}
     for fd in fds:
         try:
             if not stat.S_ISSOCK(os.fstat(fd).st_mode):
@@ -69,20 +79,31 @@ def _connected_tcp(fds: set[int]) -> set[int]:
             with socket.socket(fileno=os.dup(fd)) as sock:
                 if sock.type == socket.SOCK_STREAM and sock.family in (socket.AF_INET, socket.AF_INET6):
                     sock.getpeername()  # raises for a socket not connected: a listener
-                    found.add(fd)
+                    found[fd] = _identity(sock.fileno())
         except OSError:
             continue  # closed meanwhile (the listing's own descriptor), or not connected
     return found
 
 
-def _shut_down(fds: set[int]) -> None:
-    """Shut down the sockets behind ``fds`` (both directions) without closing the descriptors."""
-    for fd in fds:
+def _shut_down(sockets: Sockets) -> None:
+    """Shut down the sockets of ``sockets`` (both directions) without closing their descriptors.
+
+    A descriptor whose socket is gone is left alone: Gloo closes a connection whose peer died, and the number
+    is then free for any socket opened after it (the script's, a new generation's), which must not be cut.
+    """
+    for fd, identity in sockets.items():
         try:
-            with socket.socket(fileno=os.dup(fd)) as sock:
-                sock.shutdown(socket.SHUT_RDWR)
+            copy = os.dup(fd)
         except OSError:
-            pass  # already closed by its owner
+            continue  # closed, its number free
+        if _identity(copy) != identity:
+            os.close(copy)
+            continue
+        with socket.socket(fileno=copy) as sock:  # the same socket: the object owns the copy and closes it
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # no longer connected
 
 
 EXIT_ABORT_WAIT = 60.0  # seconds an exiting worker waits for aborts still running (NCCL's take about one)
@@ -95,7 +116,7 @@ class Generation:
     gen: int
     data: dist.ProcessGroup
     control: dist.ProcessGroup
-    fds: set[int]  # the Gloo connections of both groups: shut down to abort them
+    sockets: Sockets  # the Gloo connections of both groups: shut down to abort them
     aborts: list[threading.Thread] = field(default_factory=list)  # its data groups' aborts, once started
 
     def aborting(self) -> bool:
@@ -171,23 +192,27 @@ class Planes:
             raise RuntimeError(f"ftrun: worker{'s' if len(missing) > 1 else ''} {missing} did not reach generation "
                                f"{plan.gen}'s barrier within {self.timeout.total_seconds():g} s (the process group "
                                "timeout of ftrun.init)") from None
-        self.abort()
+        self.abort(plan.gen)
         self._retire()
         self._form(f"g{plan.gen}", plan.gen, plan.rank_of(self.uid), plan.world_size, superseded)
 
-    def abort(self) -> None:
-        """Make every collective in flight on the current planes fail now, here and on their peers.
+    def abort(self, before: int) -> None:
+        """Make every collective in flight on the current planes fail now, here and on their peers, if they
+        are of a generation before ``before`` (the plan that supersedes them: a plan the main thread has
+        already formed, ahead of the channel thread, is left alone).
 
         Safe to call from the channel thread, and more than once; returns at once (the data groups' aborts
-        run on threads of their own); the aborted groups are released later.
+        run on threads of their own); the aborted groups are released later. A second caller waits for the
+        first caller's abort to end, so no generation is retired (its sockets closed, their numbers reused by
+        the next one's) while its abort runs.
         """
         with self._lock:
             current = self.current
-            if current is None or current in self._aborted:
+            if current is None or current.gen >= before or current in self._aborted:
                 return
             self._aborted.append(current)
-        current.aborts = backends.abort(current.data)
-        _shut_down(current.fds)
+            current.aborts = backends.abort(current.data)
+            _shut_down(current.sockets)
 
     def release(self) -> None:
         """Free the aborted generations' groups whose aborts are done: their threads end and their sockets

@@ -275,7 +275,7 @@ class Session:
             self._latest = plan
             self._plan_received = time.time()
             pending = self.collectives.abandon()
-        self.planes.abort()
+        self.planes.abort(plan.gen)
         self.collectives.complete(pending)
 
     def _save_rescue(self) -> None:

@@ -26,7 +26,7 @@ from ftrun.protocol import STACK_DUMP_SIGNAL, Plan
 from ftrun.store import keys
 from ftrun.store.client import open_client
 from ftrun.worker import backends
-from ftrun.worker.planes import Planes, _connected_tcp, _open_fds
+from ftrun.worker.planes import Planes, _connected_tcp, _open_fds, _shut_down
 
 STRICT = re.compile(r"commit uid=(\d+) rank=(\d+) world=(\d+) step=(\d+) loss=(\S+) sum=(\S+)$")
 
@@ -87,9 +87,82 @@ def test_the_sockets_a_generation_opened_are_its_connected_tcp_ones(tmp_path):
     with open(tmp_path / "file", "w") as file:
         opened = _open_fds() - before
         assert {listener.fileno(), client.fileno(), served.fileno(), datagram.fileno(), file.fileno()} <= opened
-        assert _connected_tcp(opened) == {client.fileno(), served.fileno()}
+        assert set(_connected_tcp(opened)) == {client.fileno(), served.fileno()}
     for sock in (listener, client, served, datagram, local, _):
         sock.close()
+
+
+@pytest.mark.fast
+def test_an_abort_cuts_only_the_sockets_it_recorded_not_a_later_one_under_the_same_number():
+    # Gloo closes a connection whose peer died; the next socket opened takes its number (the lowest free one),
+    # and an abort that shut down "that number" would cut it: a new generation's connection, or the script's.
+    listener = socket.create_server(("127.0.0.1", 0))
+    old = socket.create_connection(listener.getsockname())
+    old_served, _ = listener.accept()
+    recorded = _connected_tcp({old.fileno()})
+    number = old.fileno()
+    old.close()
+    new = socket.create_connection(listener.getsockname())
+    new_served, _ = listener.accept()
+    try:
+        assert new.fileno() == number  # the kernel hands out the lowest free number: the one just freed
+        _shut_down(recorded)
+        new.sendall(b"ping")
+        assert new_served.recv(4) == b"ping"
+        _shut_down(_connected_tcp({number}))  # recorded now, it is cut
+        assert new_served.recv(4) == b""
+    finally:
+        for sock in (listener, old_served, new, new_served):
+            sock.close()
+
+
+@pytest.mark.fast
+def test_a_generation_is_not_retired_while_another_threads_abort_of_it_runs(free_port, monkeypatch):
+    # The channel thread aborts the generation as a plan arrives, while the main thread, woken by the same
+    # plan, forms the next one: retiring the old groups closes their sockets, and the next generation's take
+    # the numbers freed. Forming must wait for the abort in progress, else the abort cuts the new sockets.
+    formed_meanwhile = []
+    forming: list[threading.Thread] = []
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    planes = Planes(store, attempt=0, uid=0, backend="gloo", timeout=timedelta(seconds=30))
+    aborting = backends.abort
+
+    def slow_abort(group):  # the channel thread, descheduled in the middle of its abort
+        forming.append(threading.Thread(target=planes.form, args=(Plan(1, [0]), lambda: False)))
+        forming[0].start()
+        forming[0].join(2)
+        formed_meanwhile.append(not forming[0].is_alive())
+        return aborting(group)
+
+    try:
+        planes.form(Plan(0, [0]), lambda: False)
+        monkeypatch.setattr(backends, "abort", slow_abort)
+        planes.abort(1)
+        forming[0].join(60)
+        assert formed_meanwhile == [False] and planes.current.gen == 1
+    finally:
+        planes.destroy()
+
+
+@pytest.mark.fast
+def test_an_abort_for_a_plan_already_formed_leaves_its_generation_alone(free_port, monkeypatch):
+    # The main thread may form a plan's generation (aborting the old one itself) before the channel thread,
+    # which received the plan, gets to its own abort: that late abort must not cut the generation just formed.
+    aborted = []
+    aborting = backends.abort
+    monkeypatch.setattr(backends, "abort", lambda group: aborted.append(group) or aborting(group))
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    planes = Planes(store, attempt=0, uid=0, backend="gloo", timeout=timedelta(seconds=30))
+    try:
+        planes.form(Plan(0, [0]), lambda: False)
+        first = dist.group.WORLD
+        planes.form(Plan(1, [0]), lambda: False)
+        planes.abort(1)  # the channel thread, late
+        assert aborted == [first]
+        planes.abort(2)  # a newer plan's
+        assert aborted == [first, dist.group.WORLD]
+    finally:
+        planes.destroy()
 
 
 @pytest.mark.fast
@@ -104,7 +177,7 @@ def test_the_next_generation_forms_while_the_last_ones_abort_still_runs(free_por
     try:
         planes.form(Plan(0, [0]), lambda: False)
         first = dist.group.WORLD
-        planes.abort()
+        planes.abort(1)
         planes.form(Plan(1, [0]), lambda: False)
         assert dist.group.WORLD is not first and not planes.wait_aborts(0)
         summed = torch.ones(2)
@@ -134,7 +207,7 @@ def test_a_new_leaders_store_at_the_lost_ones_address_is_connected_to_afresh(fre
         planes.form(Plan(0, [0]), lambda: False)
         del lost  # its server goes with it, and every connection to it
         elected = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-        planes.abort()
+        planes.abort(1)
         planes.form(Plan(1, [0], store=f"127.0.0.1:{port}"), lambda: False)
         summed = torch.ones(2)
         dist.all_reduce(summed)
