@@ -237,13 +237,15 @@ class Planes:
         return not any(thread.is_alive() for thread in threads)
 
     def destroy(self) -> None:
-        """At exit: shut the current planes down, so no backend thread runs into the interpreter's teardown."""
+        """At exit: shut the current planes down, so no backend thread runs into the interpreter's teardown
+        (under the lock: a plan that arrives meanwhile finds nothing left to abort)."""
         self.wait_aborts(min(self.timeout.total_seconds(), EXIT_ABORT_WAIT))
-        if self.current is not None:
-            backends.shut_down(self.current.control)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        self.current = None
+        with self._lock:
+            if self.current is not None:
+                backends.shut_down(self.current.control)
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            self.current = None
 
     def _abort_threads(self) -> list[threading.Thread]:
         """The abort threads started for the aborted generations (none on Gloo)."""
