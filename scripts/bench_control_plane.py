@@ -18,10 +18,12 @@ plans. Every store call of every simulated agent goes through a counter. Per N i
   not spread is the store's one thread.
 
 * leader failover (etcd only: with the embedded store node 0's loss ends the job): the leader renews a lease
-  too, and every follower watches it as a follower's agent does (NodeLeases, LEADER_LOOKS_PER_TIMEOUT looks per timeout; the
-  followers of each process look in one loop, as each agent looks in its own). The leader stops renewing;
-  each follower that sees the lease run out stands for leader of the next term (ftrun.agent.failover.elect:
-  one create that only one can make), and the others wait for the winner's word. Reported: the
+  too, and every follower watches it as a follower's agent does (NodeLeases, LEADER_LOOKS_PER_TIMEOUT looks per
+  timeout; each follower on a thread of its own that sleeps until its next look, as each agent looks in its own
+  loop), once every follower has seen it held. The leader stops renewing; each follower that sees the lease
+  run out elects the leader of the next term as an agent does (ftrun.agent.failover.elect: the first three
+  followers by rank stand at once, one create that only one can make; the others wait for the winner's word,
+  and stand too only if none comes). Reported: the
   time from the leader's last renewal to each follower knowing the new leader, p50 and max, against
   ``--node-timeout`` (the target is under 2 x the lease time), and that exactly one node won.
 
@@ -204,7 +206,8 @@ class Plane:
             time.sleep(monitor_interval)
         for child in self.children:
             child.start_watching()
-        time.sleep(node_timeout / 2)  # the watchers have looked at least once
+        for child in self.children:  # every watcher has seen the lease held, as a running job's followers have
+            child.await_seen(node_timeout * 10)
         keeper.stop()
         last_renewal = keeper.renewed
         known = [learnt for child in self.children for learnt in child.learnt(node_timeout * 10)]
@@ -213,35 +216,36 @@ class Plane:
         return [when - last_renewal for when, _ in known], {node for _, node in known}
 
     @staticmethod
-    def watch_leader(connect: Callable[[], JobStore], nodes: list[int], node_timeout: float, monitor_interval: float,
-                     tell: Callable[[tuple[float, int] | None], None]) -> None:
-        """Some followers, in one loop (as each node's agent looks in its own loop): watch node 0's lease until
-        it runs out, then each elects (or learns) the next leader on a thread of its own; ``tell`` is given
-        when each knew, and who leads (None: it learned of no leader, or the store failed it)."""
-        def elect_one(store: JobStore, node: int) -> None:
+    def watch_leader(connect: Callable[[], JobStore], node: int, nodes: int, node_timeout: float,
+                     monitor_interval: float, tell: Callable[[tuple[float, int] | None], None],
+                     seen: Callable[[], None]) -> None:
+        """One follower (of ``nodes``), as its agent's loop does: look at node 0's lease when it is due (NodeLeases says when)
+        until it runs out, then elect (or learn) the next leader; ``tell`` is given when it knew, and who leads
+        (None: it learned of no leader, or the store failed it); ``seen`` once it has seen the lease held (a
+        follower that never saw it would count it lost only at the start grace). Each follower looks on a thread of its own,
+        sleeping until its next look: in one loop for many, a look that waits on a busy store delays every
+        look behind it, which no agent's own loop would."""
+        store = connect()
+        lease = NodeLeases(store, [0], node_timeout, time.monotonic(), evicts=False,
+                           looks_per_timeout=LEADER_LOOKS_PER_TIMEOUT)
+        deadline = time.monotonic() + node_timeout * 8
+        while time.monotonic() < deadline:
             try:
-                won = elect(store, 1, node, lambda: ("127.0.0.1", 1), node_timeout)
+                ended = bool(lease.expired(time.monotonic()))
             except RuntimeError:
-                won = None
-            tell((time.monotonic(), won.node) if won is not None else None)
-
-        now = time.monotonic()
-        watching = {node: (store, NodeLeases(store, [0], node_timeout, now, evicts=False,
-                                                          looks_per_timeout=LEADER_LOOKS_PER_TIMEOUT))
-                    for node, store in ((node, connect()) for node in nodes)}
-        deadline = now + node_timeout * 8
-        while watching and time.monotonic() < deadline:
-            for node, (store, lease) in list(watching.items()):
+                ended = False  # looked again at the next turn
+            if lease.seen.get(0, (0, 0.0))[0] and seen is not None:
+                seen()
+                seen = None
+            if ended:
                 try:
-                    ended = bool(lease.expired(time.monotonic()))
+                    won = elect(store, 1, node, 0, nodes, lambda: ("127.0.0.1", 1), node_timeout)
                 except RuntimeError:
-                    continue  # looked again at the next turn
-                if ended:
-                    del watching[node]
-                    threading.Thread(target=elect_one, args=(store, node), daemon=True).start()
-            time.sleep(monitor_interval)
-        for _ in watching:
-            tell(None)
+                    won = None
+                tell((time.monotonic(), won.node) if won is not None else None)
+                return
+            time.sleep(max(monitor_interval, lease.next_check - time.monotonic()))
+        tell(None)
 
     def close(self) -> None:
         self.leader_reader.stop()
@@ -255,7 +259,8 @@ class Follower:
     """A forked process running the readers and leases of some simulated followers; it writes a line
     ``GEN TIME`` to its results pipe for each message a reader hands on, answers ``r`` on its command
     pipe with its store requests so far (one JSON line), and on ``f`` starts watching the leader's lease for
-    each of its followers (a line ``F TIME LEADER`` for each once it knows the next leader, ``F -`` if none)."""
+    each of its followers (a line ``S`` for each once it has seen the lease held, then ``F TIME LEADER`` once it
+    knows the next leader, ``F -`` if none)."""
 
     def __init__(self, pid: int, commands: int, results: int) -> None:
         self.pid, self.commands, self.results = pid, commands, results
@@ -264,6 +269,7 @@ class Follower:
         self._answers: list[list[Any]] = []
         self._learnt: list[tuple[float, int] | None] = []
         self._watching = 0
+        self._seen = 0
 
     @classmethod
     def fork(cls, plane: Plane, nodes: list[int], timing: tuple[float, float], earlier: list[Follower]) -> Follower:
@@ -304,9 +310,9 @@ class Follower:
             worker.start()
         writing = threading.Lock()
 
-        def tell(out: Any, learnt: tuple[float, int] | None) -> None:
+        def tell(out: Any, line: str) -> None:
             with writing:
-                out.write(f"F {learnt[0]} {learnt[1]}\n" if learnt is not None else "F -\n")
+                out.write(line + "\n")
 
         with os.fdopen(results, "w", buffering=1) as out:
             while True:
@@ -314,9 +320,11 @@ class Follower:
                     if selected.data is None:
                         command = os.read(commands, 1)
                         if command == b"f":
-                            threading.Thread(target=Plane.watch_leader, daemon=True, args=(
-                                plane.connect, nodes, node_timeout, monitor_interval,
-                                lambda learnt, out=out: tell(out, learnt))).start()
+                            for node in nodes:
+                                threading.Thread(target=Plane.watch_leader, daemon=True, args=(
+                                    plane.connect, node, plane.agents, node_timeout, monitor_interval,
+                                    lambda learnt, out=out: tell(out, f"F {learnt[0]} {learnt[1]}" if learnt else "F -"),
+                                    lambda out=out: tell(out, "S"))).start()
                             continue
                         if command != b"r":  # closed: the bench is done
                             for worker in [*readers, *leases]:
@@ -352,6 +360,15 @@ class Follower:
         """Have each of this process's followers watch the leader's lease (and elect when it ends)."""
         os.write(self.commands, b"f")
 
+    def await_seen(self, wait: float) -> None:
+        """Wait up to ``wait`` s until each of this process's followers has seen the leader's lease held."""
+        deadline = time.monotonic() + wait
+        while self._seen < self._watching and time.monotonic() < deadline:
+            if select.select([self.results], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                self._read()
+        if self._seen < self._watching:
+            raise SystemExit(f"failover: {self._watching - self._seen} followers never saw the leader's lease")
+
     def learnt(self, wait: float) -> list[tuple[float, int]]:
         """When each follower knew the next leader, and which node it was told leads (waits up to ``wait`` s for
         every follower; those that learned of none are left out)."""
@@ -365,7 +382,9 @@ class Follower:
         self._buffer += os.read(self.results, 1 << 16)
         *lines, self._buffer = self._buffer.split(b"\n")
         for line in map(bytes.decode, lines):
-            if line.startswith("F"):
+            if line == "S":
+                self._seen += 1
+            elif line.startswith("F"):
                 fields = line.split()
                 self._learnt.append((float(fields[1]), int(fields[2])) if len(fields) == 3 else None)
             elif line.startswith("["):

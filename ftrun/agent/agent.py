@@ -362,7 +362,8 @@ class Agent:
         why = (f"node {lost}, the leader, let its lease run out (last seen renewed {silent:.1f} s ago: its agent is "
                "gone or cut off)")
         try:
-            won = elect(self.store, self.term + 1, config.node_rank, self._serve_group_store, config.node_timeout)
+            won = elect(self.store, self.term + 1, config.node_rank, lost, config.max_nodes, self._serve_group_store,
+                        config.node_timeout)
         except (RuntimeError, OSError, UsageError) as exc:
             return f"{why}, and no other leader could be elected: {exc}; stopping this node's workers, their " \
                    "committed state saved"

@@ -1,10 +1,11 @@
 """Leader failover with the etcd backend: when node 0's lease runs out, the other nodes elect a new leader
 through etcd, and it serves the process groups' store from then on.
 
-The election is one atomic add per candidate on the term's claim counter (the first to add leads: etcd's
-compare-and-swap on the key's revision). The winner serves a new TCPStore on its own node, then says in etcd
-that it leads and where that store is; the others read it there. Who leads is decided once per term, so two
-nodes can never both believe they lead the same term.
+The election is one create per candidate of the term's claim key (a transaction on its create revision: the
+first to create it leads). The first three nodes by rank after the lost leader stand at once; the others
+wait for their word first, and stand only if none comes. The winner serves a new TCPStore on its own node,
+then says in etcd that it leads and where that store is; the others read it there. Who leads is decided once
+per term, so two nodes can never both believe they lead the same term.
 """
 
 from __future__ import annotations
@@ -44,10 +45,35 @@ class Election:
         return f"{self.host}:{self.port}"
 
 
-def elect(store: JobStore, term: int, node: int, serve: Callable[[], tuple[str, int]], wait: float) -> Election | None:
-    """Stand for leader of ``term``: the winner serves the store (``serve``: its host and port) and announces
-    itself; the others wait up to ``wait`` s for that announcement. None when none came (the winner was lost
-    too). Store errors (RuntimeError) are the caller's."""
+FIRST_CANDIDATES = 3
+"""When the leader is lost, this many nodes (the first by rank after it) stand for leader at once; every other
+node first waits for their word. A thousand nodes standing at once are a thousand writes through etcd's log
+in the same second (measured: 14 s for a node's claim to be answered at 1,024 simulated nodes on 2 cores),
+where three are three."""
+PATIENCE_LOOKS = 2
+"""How long a node that is not a first candidate waits for their word before it stands itself (should they
+be lost too): two of the looks at the leader's lease (each node sees the lease end at its own next look),
+4 s at --node-timeout 10."""
+
+
+def stands_at_once(node: int, lost: int, nodes: int) -> bool:
+    """Whether ``node`` stands for leader the moment it sees ``lost``, the leader, gone: one of the
+    :data:`FIRST_CANDIDATES` ranks that follow ``lost`` among the job's ``nodes`` (wrapping around past the
+    last)."""
+    return 0 < (node - lost) % nodes <= FIRST_CANDIDATES
+
+
+def elect(store: JobStore, term: int, node: int, lost: int, nodes: int, serve: Callable[[], tuple[str, int]],
+          wait: float) -> Election | None:
+    """Node ``node`` of ``nodes`` elects the leader of ``term`` after ``lost``: the winner serves the store
+    (``serve``: its host and port) and announces itself; the others wait up to ``wait`` s (--node-timeout) for
+    that announcement. A node that does not stand at once (:func:`stands_at_once`) first waits for the first
+    candidates' word, for :data:`PATIENCE_LOOKS` looks at the lease. None when no word came (the winner was
+    lost too). Store errors (RuntimeError) are the caller's."""
+    if not stands_at_once(node, lost, nodes):
+        said = store.read_leader(term, wait * PATIENCE_LOOKS / LEADER_LOOKS_PER_TIMEOUT)
+        if said is not None:
+            return Election(term, *said)
     if store.stand_for_leader(term):
         host, port = serve()
         store.announce_leader(term, node, host, port)

@@ -12,6 +12,7 @@ from datetime import timedelta
 import pytest
 
 from ftrun import registry
+from ftrun.agent.failover import Election, elect, stands_at_once
 from ftrun.errors import NoSuchJob, UsageError
 from ftrun.protocol import Plan
 from ftrun.store import keys
@@ -439,6 +440,25 @@ def test_one_node_wins_each_term_of_an_election_and_the_others_read_who(served):
     assert reader.stand_for_leader(2) and not candidates[0].stand_for_leader(2)  # the next term is a new one
     reader.kv.set(keys.leader_of(3), reader.seal.seal(keys.leader_of(3), b'{"node": "x"}'))
     assert reader.read_leader(3, 0.0) is None  # not a node, host and port: nobody
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("lost, nodes, first", [(0, 10, {1, 2, 3}), (8, 10, {9, 0, 1}), (0, 2, {1}), (3, 4, {0, 1, 2})])
+def test_the_three_nodes_after_the_lost_leader_stand_at_once(lost, nodes, first):
+    assert {node for node in range(nodes) if stands_at_once(node, lost, nodes)} == first
+
+
+def test_a_node_that_does_not_stand_at_once_follows_the_first_candidates_word_or_stands_when_none_comes(served):
+    stood = []
+    late = served()
+    standing = late.stand_for_leader
+    late.stand_for_leader = lambda term: stood.append(term) or standing(term)
+    first = elect(served(), 1, 1, 0, 8, lambda: ("10.0.0.1", 4001), 5.0)
+    assert first == Election(1, 1, "10.0.0.1", 4001)
+    assert elect(late, 1, 5, 0, 8, lambda: ("10.0.0.5", 4005), 5.0) == first and stood == []
+    # term 2: none of the first candidates stands (lost with the leader): node 5 stands after its patience
+    assert elect(late, 2, 5, 0, 8, lambda: ("10.0.0.5", 4005), 1.0) == Election(2, 5, "10.0.0.5", 4005)
+    assert stood == [2]
 
 
 @pytest.mark.fast
