@@ -18,8 +18,8 @@ plans. Every store call of every simulated agent goes through a counter. Per N i
   not spread is the store's one thread.
 
 * leader failover (etcd only: with the embedded store node 0's loss ends the job): the leader renews a lease
-  too, and every follower watches it as a follower's agent does (NodeLeases, LEADER_LOOKS_PER_TIMEOUT looks per
-  timeout; each follower on a thread of its own that sleeps until its next look, as each agent looks in its own
+  too, and every follower watches it as a follower's agent does (watch_leader_lease: a watch answers its looks,
+  one look per timeout reads the key; each follower on a thread of its own that sleeps until its next look, as each agent looks in its own
   loop), once every follower has seen it held. The leader stops renewing; each follower that sees the lease
   run out elects the leader of the next term as an agent does (ftrun.agent.failover.elect: the first three
   followers by rank stand at once, one create that only one can make; the others wait for the winner's word,
@@ -57,7 +57,7 @@ from ftrun.store.etcd import EtcdKeyValue
 from ftrun.store.etcd_config import etcd_options
 from ftrun.store.job import JobStore
 from ftrun.store.kv import KeyValue
-from ftrun.store.leases import LEADER_LOOKS_PER_TIMEOUT, LeaseKeeper, NodeLeases
+from ftrun.store.leases import LeaseKeeper, NodeLeases, watch_leader_lease
 from ftrun.store.mailbox import MailReader, Outbox
 
 
@@ -226,8 +226,7 @@ class Plane:
         sleeping until its next look: in one loop for many, a look that waits on a busy store delays every
         look behind it, which no agent's own loop would."""
         store = connect()
-        lease = NodeLeases(store, [0], node_timeout, time.monotonic(), evicts=False,
-                           looks_per_timeout=LEADER_LOOKS_PER_TIMEOUT)
+        lease = watch_leader_lease(store, 0, node_timeout, time.monotonic())
         deadline = time.monotonic() + node_timeout * 8
         while time.monotonic() < deadline:
             try:

@@ -27,7 +27,7 @@ from ftrun.store import keys
 from ftrun.store.auth import Seal
 from ftrun.store.host import StoreHost
 from ftrun.store.job import JobStore
-from ftrun.store.leases import LEADER_LOOKS_PER_TIMEOUT, NodeLeases
+from ftrun.store.leases import NodeLeases, watch_leader_lease
 
 
 @dataclass(frozen=True)
@@ -50,10 +50,10 @@ FIRST_CANDIDATES = 3
 node first waits for their word. A thousand nodes standing at once are a thousand writes through etcd's log
 in the same second (measured: 14 s for a node's claim to be answered at 1,024 simulated nodes on 2 cores),
 where three are three."""
-PATIENCE_LOOKS = 2
+PATIENCE = 0.25
 """How long a node that is not a first candidate waits for their word before it stands itself (should they
-be lost too): two of the looks at the leader's lease (each node sees the lease end at its own next look),
-4 s at --node-timeout 10."""
+be lost too), as a fraction of --node-timeout (2.5 s at 10 s): time for them to see the lease end (at their
+next look) and serve the store."""
 
 
 def stands_at_once(node: int, lost: int, nodes: int) -> bool:
@@ -68,10 +68,10 @@ def elect(store: JobStore, term: int, node: int, lost: int, nodes: int, serve: C
     """Node ``node`` of ``nodes`` elects the leader of ``term`` after ``lost``: the winner serves the store
     (``serve``: its host and port) and announces itself; the others wait up to ``wait`` s (--node-timeout) for
     that announcement. A node that does not stand at once (:func:`stands_at_once`) first waits for the first
-    candidates' word, for :data:`PATIENCE_LOOKS` looks at the lease. None when no word came (the winner was
+    candidates' word, for a :data:`PATIENCE` of ``wait``. None when no word came (the winner was
     lost too). Store errors (RuntimeError) are the caller's."""
     if not stands_at_once(node, lost, nodes):
-        said = store.read_leader(term, wait * PATIENCE_LOOKS / LEADER_LOOKS_PER_TIMEOUT)
+        said = store.read_leader(term, wait * PATIENCE)
         if said is not None:
             return Election(term, *said)
     if store.stand_for_leader(term):
@@ -86,8 +86,7 @@ def follow_elected(won: Election, lost: int, links: NodeLinks, follower: Followe
                    timeout: float) -> None:
     """Another node was elected: read its mail (and no more of the lost leader's, should it come back), watch
     its lease, and tell it of this node's workers."""
-    leases = NodeLeases(store, [won.node], timeout, time.monotonic(), evicts=False,
-                        looks_per_timeout=LEADER_LOOKS_PER_TIMEOUT)
+    leases = watch_leader_lease(store, won.node, timeout, time.monotonic())
     links.mail.drop_sender(keys.node_box(lost))
     links.mail.add_sender(keys.node_box(won.node), store, broadcasts=True)
     links.leader_lease = leases

@@ -11,7 +11,7 @@ from ftrun.agent.store_access import StoreAccess
 from ftrun.config import LaunchConfig
 from ftrun.store import keys
 from ftrun.store.job import JobStore
-from ftrun.store.leases import LEADER_LOOKS_PER_TIMEOUT, LeaseKeeper, NodeLeases
+from ftrun.store.leases import LeaseKeeper, NodeLeases, watch_leader_lease
 from ftrun.store.mailbox import MailReader, Outbox
 
 
@@ -57,8 +57,7 @@ def start_links(config: LaunchConfig, leader: bool, store: JobStore, access: Sto
                             "etcd" if config.etcd else "node 0's store")
         lease.start()
     if config.multinode and not leader and config.etcd is not None:
-        leader_lease = NodeLeases(store, [0], config.node_timeout, time.monotonic(), evicts=False,
-                                  looks_per_timeout=LEADER_LOOKS_PER_TIMEOUT, start_grace=config.node_start_timeout)
+        leader_lease = watch_leader_lease(store, 0, config.node_timeout, time.monotonic(), config.node_start_timeout)
     return NodeLinks(mail, Outbox(store, keys.node_box(config.node_rank)), node_leases, lease, leader_lease)
 
 

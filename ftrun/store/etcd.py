@@ -91,6 +91,7 @@ class EtcdKeyValue:
         self._current = 0
         self._interrupted = threading.Event()
         self._watches = Watches()
+        self._kept = Watches()  # read_watched's: watches that keep a few keys known (a leader's lease)
         self._errors = etcd3gw.exceptions
         if options.user:
             for client in self._clients:
@@ -205,7 +206,33 @@ class EtcdKeyValue:
         learnt = zip([*deleting, *keys], [None] * len(deleting) + values, (at for _, at in responses))
         for key, value, at in learnt:
             self._watches.note(key, value, at)
+            self._kept.note(key, value, at)
         return values
+
+    def read_watched(self, keys: Sequence[str]) -> list[bytes | None]:
+        """The value of each of ``keys`` (None where absent) as a watch on it keeps it known: the first call reads
+        them (one transaction) and opens a watch on each from just after that read; later calls cost no request
+        while the watches stay open, and a watch that ended is opened again after a fresh read. A member cut off
+        from etcd's leader hears of no change while its watch stays open: a caller reads with
+        :meth:`read_many` now and then, which these watches learn from too."""
+        ranges = {key: KeyRange(key) for key in keys}
+        self._kept.keep(ranges.values())
+        read: dict[str, bytes | None] = {}
+        unknown = self._kept.unknown(ranges)
+        if unknown:
+            opening = self._kept.missing(ranges.values())
+            values, _, revision = self._snapshot(unknown, [])
+            read = dict(zip(unknown, values))
+            try:
+                for key_range in opening:
+                    self._kept.add(OpenWatch(self._clients[self._current], key_range, revision + 1, self._prefix,
+                                             self._kept.changed, self.timeout))
+            except OSError:  # that member went away since the read: the next call opens it on another
+                self._current = (self._current + 1) % len(self._clients)
+            for key, value in read.items():
+                self._kept.note(key, value, revision)
+        known = self._kept.values(ranges)
+        return [read[key] if key in read else known.get(key) for key in keys]
 
     def wait_any(self, keys: Sequence[str], timeout: float, fetch: Sequence[str] = (),
                  then: Mapping[str, str] | None = None) -> dict[str, bytes | None]:
@@ -383,5 +410,6 @@ class EtcdKeyValue:
         self._watches.wake()
 
     def close(self) -> None:
-        """Close the watches kept open for :meth:`wait_any`."""
+        """Close the watches kept open for :meth:`wait_any` and :meth:`read_watched`."""
         self._watches.close()
+        self._kept.close()

@@ -238,6 +238,14 @@ class Watches:
                 if key_range.covers(key):
                     watch.known.note(key, value, revision)
 
+    def values(self, ranges: dict[str, KeyRange]) -> dict[str, bytes | None]:
+        """The value each open watch knows of each key of ``ranges`` (key to its range; None: absent); keys no
+        open watch knows are left out."""
+        with self.changed:
+            watches = {key: self._open.get(key_range) for key, key_range in ranges.items()}
+            return {key: watch.known.value(key) for key, watch in watches.items()
+                    if watch is not None and not watch.ended and key in watch.known}
+
     def await_any(self, ranges: dict[str, KeyRange], deadline: float, stop: Callable[[], bool],
                   clock: Callable[[], float]) -> dict[str, bytes | None] | None:
         """Wait until one of the keys of ``ranges`` is known to be set (its value, by key), ``deadline`` passes

@@ -258,15 +258,15 @@ class JobStore:
             raise TypeError("this store keeps no leases of its own")
         return self.kv
 
-    def lease_renewals(self, nodes: list[int]) -> dict[int, int | None]:
+    def lease_renewals(self, nodes: list[int], watched: bool = False) -> dict[int, int | None]:
         """How often each of ``nodes`` has renewed its lease; None before its first renewal, when the value
         there is not its agent's, or (native leases) once its lease ended. Native leases: one read of every
         node's lease, or for fewer than :data:`LEASES_READ_ONE_BY_ONE` nodes (a follower watching its leader),
-        one batch of reads of theirs; otherwise, once every node has renewed, one request per node and one for
-        them all."""
+        one batch of reads of theirs, or where ``watched``, what watches on their leases keep known (no request
+        once they are open); otherwise, once every node has renewed, one request per node and one for them all."""
         if self.native_leases and self._batching and len(nodes) < LEASES_READ_ONE_BY_ONE:
             wanted = [keys.lease(node) for node in nodes]
-            values = self.kv.read_many(wanted)  # type: ignore[attr-defined]
+            values = self._leasing().read_watched(wanted) if watched else self.kv.read_many(wanted)  # type: ignore[attr-defined]
             return {node: self._count(key, raw) for node, key, raw in zip(nodes, wanted, values)}
         if self.native_leases:
             found = self._leasing().read_prefix(keys.LEASE_PREFIX)

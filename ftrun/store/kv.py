@@ -71,3 +71,7 @@ class LeasingKeyValue(KeyValue, Protocol):
 
     def read_prefix(self, prefix: str) -> dict[str, bytes]:
         """Every key that starts with ``prefix``, and its value, in one read that does not wait."""
+
+    def read_watched(self, keys: Sequence[str]) -> list[bytes | None]:
+        """The value of each of ``keys`` (None where absent) as watches opened at the first call keep them known:
+        no request per call while they stay open."""

@@ -26,10 +26,14 @@ START_GRACE = 60.0
 ``--rdzv-conf join_timeout`` says."""
 RENEWALS_PER_TIMEOUT = 5
 """A follower renews this many times per ``--node-timeout``."""
-LEADER_LOOKS_PER_TIMEOUT = 5
-"""With etcd, a follower looks at its leader's lease this many times per ``--node-timeout`` (one read of one
-key each: 0.5 requests a second at 10 s), so it knows the leader lost at most a fifth of the timeout after
-etcd ended the lease."""
+LEADER_LOOKS_PER_TIMEOUT = 20
+"""With etcd, a follower looks at its leader's lease this many times per ``--node-timeout`` (every 0.5 s at
+10 s), so it knows the leader lost within a twentieth of the timeout of etcd ending the lease. A watch on the
+lease key answers the looks (no request); one look per timeout is a read
+(:data:`LEADER_READS_PER_TIMEOUT`): 0.1 requests a second at 10 s."""
+LEADER_READS_PER_TIMEOUT = 1
+"""Of a follower's looks at its leader's lease, this many per ``--node-timeout`` read the key rather than
+take the watch's word: a watch on an etcd member cut off from etcd's leader stays open and hears nothing."""
 EVICTION_CHECK_EVERY = 2
 """A follower looks for the leader's eviction mark at every this many renewals (the mark is a backstop: a
 node cut off long enough to be evicted has fenced itself already)."""
@@ -120,10 +124,14 @@ class NodeLeases:
 
 
     def __init__(self, store: JobStore, nodes: list[int], timeout: float, now: float, evicts: bool = True,
-                 looks_per_timeout: int = RENEWALS_PER_TIMEOUT, start_grace: float = START_GRACE) -> None:
+                 looks_per_timeout: int = RENEWALS_PER_TIMEOUT, start_grace: float = START_GRACE,
+                 reads_per_timeout: int | None = None) -> None:
         self.store = store
         self.evicts = evicts  # the leader marks a lost node evicted; a follower watching the leader does not
         self.look_every = timeout / looks_per_timeout
+        # where fewer reads than looks: the other looks take a watch's word (store.lease_renewals(watched=True))
+        self.read_every = looks_per_timeout // min(reads_per_timeout or looks_per_timeout, looks_per_timeout)
+        self.looks = 0
         self.timeout = timeout
         self.start_grace = start_grace
         self.seen: dict[int, tuple[int, float]] = {n: (0, now + start_grace - timeout) for n in nodes}
@@ -137,7 +145,8 @@ class NodeLeases:
         self.next_check = now + self.look_every  # the leader: one look per renewal period
         lost = []
         native = self.store.native_leases  # a lease key there is a lease held; one gone, a lease ended
-        renewals = self.store.lease_renewals(list(self.seen))
+        renewals = self.store.lease_renewals(list(self.seen), watched=self.looks % self.read_every != 0)
+        self.looks += 1
         for node, (count, when) in list(self.seen.items()):
             current = renewals[node]
             if current is not None and (current > count or (native and current == count)):
@@ -164,3 +173,11 @@ class NodeLeases:
                 self.store.evict(node)
             except RuntimeError:
                 pass  # the mark is a backstop: a node cut off that long has fenced itself
+
+
+def watch_leader_lease(store: JobStore, leader: int, timeout: float, now: float, start_grace: float = START_GRACE) -> NodeLeases:
+    """A follower's view of its leader's lease (etcd): :data:`LEADER_LOOKS_PER_TIMEOUT` looks per timeout, of
+    which :data:`LEADER_READS_PER_TIMEOUT` read the key and the others take a watch's word; it marks nothing
+    evicted."""
+    return NodeLeases(store, [leader], timeout, now, evicts=False, looks_per_timeout=LEADER_LOOKS_PER_TIMEOUT,
+                      start_grace=start_grace, reads_per_timeout=LEADER_READS_PER_TIMEOUT)

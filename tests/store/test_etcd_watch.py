@@ -11,6 +11,7 @@ import threading
 import pytest
 
 from etcd_members import Cluster
+from runs import until
 from ftrun.store.etcd import EtcdKeyValue
 from ftrun.store.etcd_config import EtcdOptions, parse_endpoints
 from ftrun.store.etcd_watch import KeyRange, Known, parse_events, range_for
@@ -95,6 +96,21 @@ def test_a_senders_next_broadcast_comes_in_its_watchs_event_with_no_request(etcd
     assert reader.wait_any(["bell", "all/s/6"], 10, ["all/s/6"], {"all/s/6": "all/s/7"}) == {"bell": b""}
     reader.read_many([], deleting=["bell"])  # the reader's own delete is known at once: not news
     assert reader.wait_any(["bell", "all/s/6"], 0.2, ["all/s/6"], {"all/s/6": "all/s/7"}) == {}
+    assert calls == ["kv/txn"]
+    reader.close()
+
+
+def test_a_watched_read_costs_one_transaction_then_none_and_sees_a_lease_end(etcd_cluster):
+    # a follower's looks at its leader's lease: the watch answers them, and etcd's delete at the lease's end
+    # reaches it with no request
+    reader, holder = client(etcd_cluster, "leases"), client(etcd_cluster, "leases")
+    holder.set_leased("lease/0", b"held", holder.grant_lease(2))  # etcd's shortest TTL; never kept alive
+    calls = counting(reader)
+    assert reader.read_watched(["lease/0", "lease/9"]) == [b"held", None]
+    assert calls == ["kv/txn"]
+    until(lambda: reader.read_watched(["lease/0", "lease/9"]) == [None, None], timeout=30)
+    holder.set("lease/9", b"set")
+    until(lambda: reader.read_watched(["lease/0", "lease/9"]) == [None, b"set"], timeout=30)
     assert calls == ["kv/txn"]
     reader.close()
 

@@ -19,7 +19,8 @@ from ftrun.store import keys
 from ftrun.store.auth import Seal, new_secret
 from ftrun.store.client import STORE_START_WAIT, connect, open_client, parse_endpoint
 from ftrun.store.job import JobStore, MalformedValue
-from ftrun.store.leases import FENCE_FRACTION, START_GRACE, LeaseKeeper, NodeLeases
+from ftrun.store.leases import (FENCE_FRACTION, LEADER_LOOKS_PER_TIMEOUT, START_GRACE, LeaseKeeper, NodeLeases,
+                                 watch_leader_lease)
 from ftrun.store.mailbox import MailReader, Outbox
 from ftrun.store.wire import StoreClient
 from runs import until
@@ -418,6 +419,18 @@ def test_an_etcd_lease_ends_on_etcds_clock_and_its_watcher_counts_the_node_lost_
     assert keeper.fence_reason(keeper.renewed) is None
     keeper.lapsed = True
     assert "lease in etcd ended" in keeper.fence_reason(keeper.renewed)
+
+
+@pytest.mark.fast
+def test_a_followers_looks_at_its_leaders_lease_read_it_once_per_timeout_and_take_a_watchs_word_between(served):
+    store = served()
+    looked: list[bool] = []
+    store.lease_renewals = lambda nodes, watched=False: looked.append(watched) or {0: len(looked)}  # renewing
+    leases = watch_leader_lease(store, 0, timeout=10.0, now=0.0)
+    for look in range(2 * LEADER_LOOKS_PER_TIMEOUT):
+        assert leases.expired(look * 10.0 / LEADER_LOOKS_PER_TIMEOUT) == []
+    reads = [index for index, watched in enumerate(looked) if not watched]
+    assert len(looked) == 2 * LEADER_LOOKS_PER_TIMEOUT and reads == [0, LEADER_LOOKS_PER_TIMEOUT]
 
 
 def test_one_node_wins_each_term_of_an_election_and_the_others_read_who(served):
