@@ -128,7 +128,9 @@ class EtcdKeyValue:
             index = (self._current + turn) % len(self._clients)
             try:
                 answer = self._post(self._clients[index], path, body)
-            except (self._errors.ConnectionFailedError, self._errors.ConnectionTimeoutError) as exc:
+            except (self._errors.ConnectionFailedError, self._errors.ConnectionTimeoutError, OSError) as exc:
+                # OSError: what else the transport raises (requests' ChunkedEncodingError: an answer cut off
+                # mid-body), which must reach no caller as anything but EtcdUnavailable
                 host, port = self.options.endpoints[index]
                 failures.append(f"{host}:{port}: {type(exc).__name__}")
                 continue

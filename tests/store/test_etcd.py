@@ -221,16 +221,26 @@ def test_tls_with_a_ca_and_a_client_certificate_passes_through(tmp_path):
         cluster.stop()
 
 
+CUT_OFF = b"(an answer cut off mid-body)"
+
+
 @pytest.mark.fast
 @pytest.mark.parametrize("answer", [b"<html>not etcd</html>", b"[1, 2]", b'{"kvs": "x"}', b'{"header": {}}',
-                                    b'{"header": {"revision": "3"}, "kvs": [{"value": "%%%"}]}'])
+                                    b'{"header": {"revision": "3"}, "kvs": [{"value": "%%%"}]}', CUT_OFF])
 def test_a_server_that_is_not_etcd_is_one_clear_error(answer):
     """Whatever answers at the endpoint, a read or a wait raises EtcdUnavailable (a RuntimeError): never a
-    KeyError, a decoding error or a crash."""
+    KeyError, a decoding error, a transport's own error (an answer cut off mid-body: a mailbox reader's or a
+    lease keeper's thread would die of it) or a crash."""
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_POST(self) -> None:  # noqa: N802 -- http.server's name
             self.rfile.read(int(self.headers.get("Content-Length", 0)))
             self.send_response(200)
+            if answer is CUT_OFF:  # a chunk announced longer than what comes before the connection closes
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                self.wfile.write(b"40\r\n{\"header\": ")
+                self.close_connection = True
+                return
             self.end_headers()
             self.wfile.write(answer)
 
