@@ -18,9 +18,9 @@ plans. Every store call of every simulated agent goes through a counter. Per N i
   not spread is the store's one thread.
 
 * leader failover (etcd only: with the embedded store node 0's loss ends the job): the leader renews a lease
-  too, and every follower watches it as a follower's agent does (watch_leader_lease: a watch answers its looks,
-  one look per timeout reads the key; each follower on a thread of its own that sleeps until its next look, as each agent looks in its own
-  loop), once every follower has seen it held. The leader stops renewing; each follower that sees the lease
+  too, and every follower watches it as a follower's agent does (watch_leader_lease: a watch answers its
+  looks, one look per timeout reads the key; each follower on a thread of its own that sleeps until its next
+  look, as each agent looks in its own loop), once every follower has seen it held. The leader stops renewing; each follower that sees the lease
   run out elects the leader of the next term as an agent does (ftrun.agent.failover.elect: the first three
   followers by rank stand at once, one create that only one can make; the others wait for the winner's word,
   and stand too only if none comes). Reported: the
@@ -220,12 +220,12 @@ class Plane:
     def watch_leader(connect: Callable[[], JobStore], node: int, nodes: int, node_timeout: float,
                      monitor_interval: float, tell: Callable[[tuple[float, int] | None], None],
                      seen: Callable[[], None]) -> None:
-        """One follower (of ``nodes``), as its agent's loop does: look at node 0's lease when it is due (NodeLeases says when)
-        until it runs out, then elect (or learn) the next leader; ``tell`` is given when it knew, and who leads
-        (None: it learned of no leader, or the store failed it); ``seen`` once it has seen the lease held (a
-        follower that never saw it would count it lost only at the start grace). Each follower looks on a thread of its own,
-        sleeping until its next look: in one loop for many, a look that waits on a busy store delays every
-        look behind it, which no agent's own loop would."""
+        """One follower (of ``nodes``), as its agent's loop does: look at node 0's lease when it is due
+        (NodeLeases says when) until it runs out, then elect (or learn) the next leader; ``tell`` is given when
+        it knew, and who leads (None: it learned of no leader, or the store failed it); ``seen`` once it has
+        seen the lease held (a follower that never saw it would count it lost only at the start grace). Each
+        follower looks on a thread of its own, sleeping until its next look: in one loop for many, a look that
+        waits on a busy store delays every look behind it, which no agent's own loop would."""
         store = connect()
         lease = watch_leader_lease(store, 0, node_timeout, time.monotonic())
         deadline = time.monotonic() + node_timeout * 8
@@ -323,7 +323,8 @@ class Follower:
                             for node in nodes:
                                 threading.Thread(target=Plane.watch_leader, daemon=True, args=(
                                     plane.connect, node, plane.agents, node_timeout, monitor_interval,
-                                    lambda learnt, out=out: tell(out, f"F {learnt[0]} {learnt[1]}" if learnt else "F -"),
+                                    lambda learnt, out=out: tell(out, f"F {learnt[0]} {learnt[1]}"
+                                                                 if learnt else "F -"),
                                     lambda out=out: tell(out, "S"))).start()
                             continue
                         if command != b"r":  # closed: the bench is done

@@ -266,7 +266,8 @@ class JobStore:
         once they are open); otherwise, once every node has renewed, one request per node and one for them all."""
         if self.native_leases and self._batching and len(nodes) < LEASES_READ_ONE_BY_ONE:
             wanted = [keys.lease(node) for node in nodes]
-            values = self._leasing().read_watched(wanted) if watched else self.kv.read_many(wanted)  # type: ignore[attr-defined]
+            reading = self._leasing().read_watched if watched else self.kv.read_many  # type: ignore[attr-defined]
+            values = reading(wanted)
             return {node: self._count(key, raw) for node, key, raw in zip(nodes, wanted, values)}
         if self.native_leases:
             found = self._leasing().read_prefix(keys.LEASE_PREFIX)

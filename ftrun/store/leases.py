@@ -177,7 +177,8 @@ class NodeLeases:
                 pass  # the mark is a backstop: a node cut off that long has fenced itself
 
 
-def watch_leader_lease(store: JobStore, leader: int, timeout: float, now: float, start_grace: float = START_GRACE) -> NodeLeases:
+def watch_leader_lease(store: JobStore, leader: int, timeout: float, now: float,
+                       start_grace: float = START_GRACE) -> NodeLeases:
     """A follower's view of its leader's lease (etcd): :data:`LEADER_LOOKS_PER_TIMEOUT` looks per timeout, of
     which :data:`LEADER_READS_PER_TIMEOUT` read the key and the others take a watch's word; it marks nothing
     evicted."""
