@@ -225,12 +225,7 @@ class EtcdKeyValue:
             opening = self._kept.missing(ranges.values())
             values, _, revision = self._snapshot(unknown, [])
             read = dict(zip(unknown, values))
-            try:
-                for key_range in opening:
-                    self._kept.add(OpenWatch(self._clients[self._current], key_range, revision + 1, self._prefix,
-                                             self._kept.changed, self.timeout))
-            except OSError:  # that member went away since the read: the next call opens it on another
-                self._current = (self._current + 1) % len(self._clients)
+            self._open(self._kept, opening, revision)  # else the next call opens them on another member
             for key, value in read.items():
                 self._kept.note(key, value, revision)
         known = self._kept.values(ranges)
@@ -261,13 +256,7 @@ class EtcdKeyValue:
                 there = {key: value for key, value in zip(unknown, values) if value is not None}
                 if there:
                     return there
-                try:
-                    for key_range in opening:
-                        watches.add(OpenWatch(self._clients[self._current], key_range, revision + 1, self._prefix,
-                                              watches.changed, self.timeout,
-                                              listed.get(key_range.start) if key_range.prefix else None))
-                except OSError:  # that member went away since the read: the next read goes to another
-                    self._current = (self._current + 1) % len(self._clients)
+                if not self._open(watches, opening, revision, listed):  # the next read goes to another member
                     if time.monotonic() >= deadline:
                         return {}
                     continue
@@ -279,6 +268,21 @@ class EtcdKeyValue:
                     raise EtcdUnavailable("etcd: the wait was interrupted")
                 return came
             self._current = (self._current + 1) % len(self._clients)  # a watch ended: its member went away
+
+    def _open(self, watches: Watches, ranges: set[KeyRange], revision: int,
+              listed: dict[str, list[str]] | None = None) -> bool:
+        """Open a watch on each of ``ranges`` from just after the read made at ``revision`` (a prefix's from the
+        names that read ``listed`` under it); False when the member went away since the read (the next call
+        goes to another)."""
+        try:
+            for key_range in ranges:
+                watches.add(OpenWatch(self._clients[self._current], key_range, revision + 1, self._prefix,
+                                      watches.changed, self.timeout,
+                                      (listed or {}).get(key_range.start) if key_range.prefix else None))
+        except OSError:
+            self._current = (self._current + 1) % len(self._clients)
+            return False
+        return True
 
     def _snapshot(self, keys: Sequence[str], prefixes: Sequence[str]) -> tuple[list[bytes | None], dict[str, list[str]],
                                                                                int]:

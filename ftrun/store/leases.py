@@ -131,8 +131,8 @@ class NodeLeases:
         self.store = store
         self.evicts = evicts  # the leader marks a lost node evicted; a follower watching the leader does not
         self.look_every = timeout / looks_per_timeout
-        # where fewer reads than looks: the other looks take a watch's word (store.lease_renewals(watched=True))
-        self.read_every = looks_per_timeout // min(reads_per_timeout or looks_per_timeout, looks_per_timeout)
+        # where fewer reads than looks (by default every look reads): the others take a watch's word
+        self.read_every = max(1, looks_per_timeout // (reads_per_timeout or looks_per_timeout))
         self.looks = 0
         self.timeout = timeout
         self.start_grace = start_grace
