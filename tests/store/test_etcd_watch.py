@@ -5,16 +5,19 @@ next broadcast comes in its watch's event with no request, and a watch whose mem
 from __future__ import annotations
 
 import base64
+import http.server
 import json
 import threading
 
+import etcd3gw
 import pytest
 
 from etcd_members import Cluster
 from runs import until
 from ftrun.store.etcd import EtcdKeyValue
 from ftrun.store.etcd_config import EtcdOptions, parse_endpoints
-from ftrun.store.etcd_watch import KeyRange, Known, parse_events, range_for
+from ftrun.store import etcd_watch
+from ftrun.store.etcd_watch import KeyRange, Known, OpenWatch, parse_events, range_for
 
 
 def client(cluster: Cluster, run_id: str) -> EtcdKeyValue:
@@ -76,6 +79,62 @@ def test_a_watch_streams_lines_are_read_as_events_and_anything_else_ends_it():
     for junk in [b"<html>", b"[1]", b'{"error": {"message": "x"}}', b'{"result": {"events": [{"kv": 1}]}}']:
         with pytest.raises(ValueError):
             parse_events(junk, b"/")
+
+
+def event_line(key: str, value: str, revision: int) -> bytes:
+    """One line of a watch stream, as etcd's gateway sends it: an event setting ``key`` to ``value``."""
+    def b64(text: str) -> str:
+        return base64.b64encode(text.encode()).decode()
+
+    return json.dumps({"result": {"events": [{"kv": {"key": b64(key), "value": b64(value),
+                                                     "mod_revision": str(revision)}}]}}).encode() + b"\n"
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("chunking", ["split", "joined", "endless"])
+def test_a_watch_reads_lines_across_and_within_chunks_and_ends_at_a_line_with_no_end(chunking, monkeypatch):
+    """A real HTTP server streams a watch's answers in chunks that cut a line in two, or carry two lines and a
+    blank one: each event is noted as its line completes. A line that never ends (past MAX_LINE) ends the
+    watch instead of growing without bound."""
+    first, second = event_line("/ftrun/j/a", "1", 5), event_line("/ftrun/j/b", "2", 6)
+    chunks = {"split": [first[:7], first[7:] + second[:3], second[3:]], "joined": [first + b"\n" + second],
+              "endless": [b'{"result": ' + b"x" * 40] * 5}[chunking]
+    monkeypatch.setattr(etcd_watch, "MAX_LINE", 150)
+    sent = threading.Event()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:  # noqa: N802 -- http.server's name
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(200)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for chunk in chunks:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                self.wfile.flush()
+            sent.wait(10)  # the stream stays open, as a watch's does
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    changed = threading.Condition()
+    watch = OpenWatch(etcd3gw.Etcd3Client(host="127.0.0.1", port=server.server_address[1], api_path="/v3/"),
+                      KeyRange("", prefix=True), 5, b"/ftrun/j/", changed, 5.0)
+    try:
+        with changed:
+            if chunking == "endless":
+                assert changed.wait_for(lambda: watch.ended, timeout=10)
+                assert watch.known.value("a") is None
+            else:
+                assert changed.wait_for(lambda: watch.known.value("b") is not None, timeout=10)
+                assert (watch.known.value("a"), watch.known.value("b"), watch.ended) == (b"1", b"2", False)
+    finally:
+        sent.set()
+        watch.close()
+        server.shutdown()
 
 
 def test_a_senders_next_broadcast_comes_in_its_watchs_event_with_no_request(etcd_cluster):
