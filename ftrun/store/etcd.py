@@ -387,6 +387,21 @@ class EtcdKeyValue:
         except (TypeError, ValueError):
             raise EtcdUnavailable("etcd: the answer to a keep-alive is not etcd's") from None
 
+    def end_lease_of(self, key: str) -> None:
+        """End the lease ``key`` is written on (etcd deletes its keys and refuses its next keep-alive);
+        nothing when the key is gone or on no lease."""
+        answer = self._call("kv/range", {"key": b64(self._key(key))})
+        try:
+            lease = int((answer.get("kvs") or [{}])[0].get("lease", 0))
+        except (AttributeError, TypeError, ValueError, IndexError):
+            raise EtcdUnavailable(f"etcd: the answer to a read of {key} is not etcd's") from None
+        if lease:
+            try:
+                self._call("lease/revoke", {"ID": str(lease)})
+            except EtcdUnavailable as exc:
+                if "not found" not in str(exc):
+                    raise  # ended already otherwise: what was asked
+
     # ------------------------------------------------------------------ watches
     def _await(self, key: str, deadline: float) -> bytes:
         """The value under ``key``: read, and while it is absent, watched from the revision of the read (a write

@@ -303,8 +303,11 @@ class JobStore:
             pass
 
     def evict(self, node_rank: int) -> None:
-        """Mark node ``node_rank`` lost: should it come back, it learns it must stop."""
+        """Mark node ``node_rank`` lost: should it come back, it learns it must stop. With native leases its
+        lease is ended too, so that its next keep-alive tells it at once (it looks for the mark no more)."""
         self._set(keys.evicted(node_rank), {"evicted": True})
+        if self.native_leases:
+            self._leasing().end_lease_of(keys.lease(node_rank))
 
     def is_evicted(self, node_rank: int) -> bool:
         """Whether the leader declared node ``node_rank`` lost (a mark the leader did not write counts for nothing)."""

@@ -69,6 +69,9 @@ class LeasingKeyValue(KeyValue, Protocol):
     def keep_alive(self, lease: int) -> bool:
         """Renew ``lease``; False once it has ended."""
 
+    def end_lease_of(self, key: str) -> None:
+        """End the lease ``key`` is written on now (its keys go with it); nothing when no such key is there."""
+
     def read_prefix(self, prefix: str) -> dict[str, bytes]:
         """Every key that starts with ``prefix``, and its value, in one read that does not wait."""
 

@@ -10,11 +10,14 @@ store request each): an idle follower costs the store about 0.6 requests a secon
 Where the backend keeps leases itself (etcd), a node's lease is an etcd lease with ``--node-timeout`` as
 its TTL, and its lease key sits on it: a renewal is a keep-alive, and etcd deletes the key once no keep-alive
 came for the TTL, on etcd's clock. A watcher then counts a node lost as soon as its key is gone, not after a
-timeout of its own; a keeper whose keep-alive finds the lease ended fences at once.
+timeout of its own; a keeper whose keep-alive finds the lease ended fences at once. The leader's eviction ends
+the node's lease too, so its keeper learns of it from its next keep-alive and never looks for the mark: 0.5
+requests a second per idle follower at ``--node-timeout 10``.
 """
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -44,6 +47,23 @@ FENCE_FRACTION = 0.75
 from when it saw the last renewal (later still), evicts it at the full timeout. The rest of the timeout is
 the margin in which the fenced node's agent notices (every ``--monitor-interval``) and kills its workers;
 ``ftrun.config`` refuses a timeout that leaves no margin."""
+
+
+def first_renewal_delay(interval: float, draw: float) -> float:
+    """Seconds from a keeper's start to its first renewal, for a ``draw`` in [0, 1): somewhere in the first
+    renewal ``interval``, so that the agents of a job, started in the same second, do not renew in the same
+    instant ever after (a thousand keep-alives at once, every interval, where a thousand spread over it)."""
+    return interval * (0.1 + 0.9 * draw)
+
+
+def next_renewal(due: float, now: float, interval: float) -> float:
+    """When the renewal after the one that was ``due`` then, and starts ``now``, is due: one ``interval`` after
+    that one was due, so that a slow store's late answer does not put the next renewal off by as long (with
+    each renewal an interval after the last answer, answers taking 8 s spaced the keep-alives of a 10 s etcd
+    lease by 10 s, and it ended between two); at once if that is past when the answer comes. A renewal that
+    starts more than an interval late (its thread held up) is followed at once by one more, then the cadence
+    resumes from it: the renewals missed are not made up in a burst."""
+    return max(due + interval, now)
 
 
 def fence_margin(node_timeout: float) -> float:
@@ -86,7 +106,7 @@ class LeaseKeeper:
             return "the leader declared this node lost: stopping its workers"
         if self.lapsed:
             return (f"this node's lease in {self.where} ended (no keep-alive reached it for --node-timeout "
-                    f"{self.timeout:g}): the others count this node lost; fencing")
+                    f"{self.timeout:g}, or the leader declared this node lost): the others count it lost; fencing")
         silent = now - self.renewed
         if silent > self.timeout * FENCE_FRACTION:
             return (f"could not renew this node's lease in {self.where} for {silent:.1f} s (--node-timeout "
@@ -95,8 +115,11 @@ class LeaseKeeper:
 
     def _run(self) -> None:
         store = None
-        while not self._stop.wait(self.timeout / RENEWALS_PER_TIMEOUT):
+        interval = self.timeout / RENEWALS_PER_TIMEOUT
+        due = time.monotonic() + first_renewal_delay(interval, random.random())
+        while not self._stop.wait(max(0.0, due - time.monotonic())):
             sent = time.monotonic()  # the store saw the renewal after this: fencing counts from here
+            due = next_renewal(due, sent, interval)
             try:
                 store = store or self._connect()
                 if not self._renew(store):
@@ -104,8 +127,8 @@ class LeaseKeeper:
                     return
                 self.renewals += 1
                 self.renewed = sent
-                if self.renewals % EVICTION_CHECK_EVERY == 0:
-                    self.evicted = store.is_evicted(self.node_rank)
+                if not store.native_leases and self.renewals % EVICTION_CHECK_EVERY == 0:
+                    self.evicted = store.is_evicted(self.node_rank)  # native: the eviction ends the lease
             except RuntimeError:
                 store = None  # reconnect on the next renewal
 
