@@ -1,31 +1,36 @@
 """The control plane at scale: N simulated agents against the job's store (a real TCPStore, or ``--etcd``).
 
 Each simulated follower runs what a follower's agent runs against the store, with no torch worker: its
-mailbox reader (ftrun.store.mailbox.MailReader, blocking on its box's bell) and its lease
-(ftrun.store.leases.LeaseKeeper). The followers are spread over ``--processes`` forked processes (each agent
-of a real job has an interpreter of its own, on its own node; with every follower in one process, the
-measure would be that interpreter's lock as much as the store). The simulated leader runs its own reader (one lane per follower), checks
-the followers' leases (NodeLeases) every ``--monitor-interval`` seconds as the agent's loop does, and sends
-plans. Every store call of every simulated agent goes through a counter. Per N it reports:
+mailbox reader (ftrun.store.mailbox.MailReader, blocking on its box's bell), its lease
+(ftrun.store.leases.LeaseKeeper) and, with etcd, its watch on the leader's lease. The followers are spread
+over ``--processes`` forked processes (each agent of a real job has an interpreter of its own, on its own
+node; with every follower in one process, the measure would be that interpreter's lock as much as the
+store). The simulated leader runs its own reader (one lane per follower), checks the followers' leases
+(NodeLeases) every ``--monitor-interval`` seconds as the agent's loop does, renews its own lease (etcd) and
+sends plans. Once every reader is up, the followers take their leases, one process's at a time, and watch
+the leader's, and the leader takes its own: from then on, the run is a running job's steady state. Every
+store call of every simulated agent goes through a counter. Per N it reports:
 
 * idle load: store requests per agent per second over ``--idle`` seconds with nothing to say;
 * plan delivery: the leader broadcasts one message to every follower (as it relays a plan: one write,
   that each follower's reader waits for), ``--plans`` times; the latency from the start of each broadcast to
   the moment each follower's reader hands the message on, p50 and p99 over all followers and plans; and the
-  CPU time the store's process spent per plan (embedded store only), and the CPU time the whole machine
-  spent per plan (every simulated agent, the store and the kernel). On one machine the latency is bounded
-  by the CPU all the simulated agents need together; on a cluster each agent has its node's, and what does
-  not spread is the store's one thread.
+  CPU time the store spent per plan (the embedded store's process, or the etcd members that run on this
+  machine), and the CPU time the whole machine spent per plan (every simulated agent, the store and the
+  kernel). On one machine the latency is bounded by the CPU all the simulated agents need together; on a
+  cluster each agent has its node's, and what does not spread is the store's.
+* leader failover (etcd only: with the embedded store node 0's loss ends the job): each follower has watched
+  the leader's lease as a follower's agent does (watch_leader_lease: a watch answers its looks, one look per
+  timeout reads the key; each follower on a thread of its own that sleeps until its next look, as each agent
+  looks in its own loop). The leader stops renewing; each follower that sees the lease run out elects the
+  leader of the next term as an agent does (ftrun.agent.failover.elect: the first three followers by rank
+  stand at once, one create that only one can make; the others wait for the winner's word, and stand too
+  only if none comes). Reported: the time from the leader's last renewal to each follower seeing the lease
+  end, and to knowing the new leader, p50 and max, against ``--node-timeout`` (the target is under 2 x the
+  lease time), and that exactly one node won.
 
-* leader failover (etcd only: with the embedded store node 0's loss ends the job): the leader renews a lease
-  too, and every follower watches it as a follower's agent does (watch_leader_lease: a watch answers its
-  looks, one look per timeout reads the key; each follower on a thread of its own that sleeps until its next
-  look, as each agent looks in its own loop), once every follower has seen it held. The leader stops renewing; each follower that sees the lease
-  run out elects the leader of the next term as an agent does (ftrun.agent.failover.elect: the first three
-  followers by rank stand at once, one create that only one can make; the others wait for the winner's word,
-  and stand too only if none comes). Reported: the
-  time from the leader's last renewal to each follower knowing the new leader, p50 and max, against
-  ``--node-timeout`` (the target is under 2 x the lease time), and that exactly one node won.
+A run in which followers' leases end (their keep-alives later than the timeout: the machine overloaded) says
+so: its figures are not a running job's.
 
     python scripts/bench_control_plane.py --agents 16 64 256 1024
     python scripts/bench_control_plane.py --agents 16 64 256 --etcd 127.0.0.1:2379
@@ -112,10 +117,14 @@ def embedded_store() -> tuple[Callable[[], KeyValue], Callable[[], float] | None
 
 
 def etcd_store(endpoints: str, agents: int) -> tuple[Callable[[], KeyValue], Callable[[], float] | None]:
-    """A function making connections to a fresh job's keys in the etcd cluster at ``endpoints`` (its members'
-    CPU time is not measured here: None)."""
+    """A function making connections to a fresh job's keys in the etcd cluster at ``endpoints``, and one
+    telling the CPU seconds its members on this machine have used (None when none listens here)."""
     options = etcd_options(endpoints, f"bench-{agents}-{new_secret()[:8]}", {})
-    return lambda: EtcdKeyValue(options, 30.0), None
+    ports = {int(endpoint.rpartition(":")[2]) for endpoint in endpoints.split(",")}
+    members = [psutil.Process(connection.pid) for connection in psutil.net_connections("tcp")
+               if connection.status == psutil.CONN_LISTEN and connection.laddr.port in ports and connection.pid]
+    return (lambda: EtcdKeyValue(options, 30.0),
+            (lambda: sum(sum(member.cpu_times()[:2]) for member in members)) if members else None)
 
 
 class Plane:
@@ -124,8 +133,9 @@ class Plane:
     requests)."""
 
     def __init__(self, agents: int, node_timeout: float, monitor_interval: float, store: Callable[[], KeyValue],
-                 processes: int) -> None:
+                 processes: int, leader_lease: bool) -> None:
         self.store = store
+        self.watches_leader = leader_lease  # etcd: the leader keeps a lease, which the followers watch
         self.seal = Seal(new_secret())
         self.requests, self.lock = [0], threading.Lock()
         self.by_call: dict[str, int] = {}
@@ -142,34 +152,38 @@ class Plane:
                                         senders=tuple(keys.node_box(n) for n in followers))
         self.leader_pipe = read_end
         self.leader = self.connect()
-        self.node_leases = NodeLeases(self.leader, followers, node_timeout, time.monotonic())
+        self.node_leases = NodeLeases(self.leader, followers, node_timeout, time.monotonic(), start_grace=STARTUP_WAIT)
         self.outbox = Outbox(self.leader, keys.LEADER_BOX)
         self.leader_reader.start()
+        self.leader_lease = LeaseKeeper(self.connect, 0, node_timeout)
 
     def connect(self) -> JobStore:
         """A new counted, torch-free connection to the store."""
         return JobStore(Counting(self.store(), self.requests, self.lock, self.by_call), self.seal)
 
-    def requests_made(self) -> tuple[int, dict[str, int]]:
-        """Store requests made so far by every simulated agent, in all and by kind of call."""
+    def requests_made(self) -> tuple[int, dict[str, int], int]:
+        """Store requests made so far by every simulated agent, in all and by kind of call, and how many
+        followers' leases the store ended (their keep-alives came too late)."""
         with self.lock:
             total, by_call = self.requests[0], dict(self.by_call)
+        lapsed = 0
         for child in self.children:
-            made, calls = child.ask_requests()
+            made, calls, ended = child.ask_requests()
             total += made
+            lapsed += ended
             for name, count in calls.items():
                 by_call[name] = by_call.get(name, 0) + count
-        return total, by_call
+        return total, by_call, lapsed
 
     def idle_load(self, seconds: float, monitor_interval: float) -> tuple[float, dict[str, float]]:
         """Store requests per agent per second while nothing happens but the leader's lease checks, in all and
         by kind of call."""
-        start, calls = self.requests_made()
+        start, calls, _ = self.requests_made()
         began = time.monotonic()
         while time.monotonic() - began < seconds:
             self.node_leases.expired(time.monotonic())
             time.sleep(monitor_interval)
-        made, by_call = self.requests_made()
+        made, by_call, _ = self.requests_made()
         made -= start
         by_call = {name: count - calls.get(name, 0) for name, count in by_call.items()}
         per_agent = self.agents * (time.monotonic() - began)
@@ -197,39 +211,59 @@ class Plane:
             raise SystemExit(f"plan {plan}: {self.agents - 1 - len(got)} followers got nothing in {within:g} s")
         return [when - started for when in got]
 
-    def failover(self, node_timeout: float, monitor_interval: float) -> tuple[list[float], set[int]]:
-        """Stop the leader's lease renewals; each follower's time from the last renewal to knowing the elected
-        leader (seconds), and the nodes that the followers were told lead. Each follower process watches for
-        its own followers, as each node's agent does."""
-        keeper = LeaseKeeper(self.connect, 0, node_timeout)
-        keeper.start()
-        while keeper.renewals < 2:  # renewing, and seen renewing
-            time.sleep(monitor_interval)
+    def hold_leases(self, monitor_interval: float) -> None:
+        """Every agent has started: the followers take their leases, one process's at a time, and the leader
+        its own (etcd), and each follower watches the leader's; back once the leader has seen every follower's
+        lease renewed and every follower the leader's held. (On 2 cores, with 1,024 agents starting, or 1,024
+        leases granted and written at once, etcd's writes waited on its disk for longer than a lease's TTL,
+        and it ended leases before their first keep-alive: nodes of a real job do not start in one instant.)"""
         for child in self.children:
-            child.start_watching()
-        for child in self.children:  # every watcher has seen the lease held, as a running job's followers have
-            child.await_seen(node_timeout * 10)
-        keeper.stop()
-        last_renewal = keeper.renewed
+            child.hold_leases()
+            child.await_held(STARTUP_WAIT)
+        if self.watches_leader:
+            self.leader_lease.start()
+            for child in self.children:
+                child.await_seen(STARTUP_WAIT)
+        deadline = time.monotonic() + STARTUP_WAIT
+        while any(count == 0 for count, _ in self.node_leases.seen.values()) and time.monotonic() < deadline:
+            self.node_leases.expired(time.monotonic())
+            lapsed = self.requests_made()[2]
+            if lapsed:
+                raise SystemExit(f"{lapsed} followers' leases ended as they were taken: their keep-alives came later "
+                                 f"than --node-timeout (the machine cannot keep {self.agents} agents' leases alive "
+                                 "at this timeout)")
+            time.sleep(monitor_interval)
+
+    def failover(self, node_timeout: float) -> tuple[list[float], list[float], set[int]]:
+        """Stop the leader's lease renewals; each follower's time from the last renewal to seeing the lease
+        end, and to knowing the elected leader (seconds), and the nodes that the followers were told lead. The
+        followers have watched the lease since they started, each on a thread of its own, as each node's agent
+        does."""
+        if self.leader_lease.lapsed:
+            raise SystemExit("failover: the leader's lease ended before it stopped renewing (the machine was too "
+                             "busy for its keep-alives to reach the store within the lease's TTL)")
+        self.leader_lease.stop()
+        last_renewal = self.leader_lease.renewed
         known = [learnt for child in self.children for learnt in child.learnt(node_timeout * 10)]
         if len(known) < self.agents - 1:
             raise SystemExit(f"failover: {self.agents - 1 - len(known)} followers learned of no leader")
-        return [when - last_renewal for when, _ in known], {node for _, node in known}
+        return ([ended - last_renewal for ended, _, _ in known], [when - last_renewal for _, when, _ in known],
+                {node for _, _, node in known})
 
     @staticmethod
     def watch_leader(connect: Callable[[], JobStore], node: int, nodes: int, node_timeout: float,
-                     monitor_interval: float, tell: Callable[[tuple[float, int] | None], None],
-                     seen: Callable[[], None]) -> None:
+                     monitor_interval: float, tell: Callable[[tuple[float, float, int] | None], None],
+                     seen: Callable[[], None], stopping: threading.Event) -> None:
         """One follower (of ``nodes``), as its agent's loop does: look at node 0's lease when it is due
         (NodeLeases says when) until it runs out, then elect (or learn) the next leader; ``tell`` is given when
-        it knew, and who leads (None: it learned of no leader, or the store failed it); ``seen`` once it has
-        seen the lease held (a follower that never saw it would count it lost only at the start grace). Each
-        follower looks on a thread of its own, sleeping until its next look: in one loop for many, a look that
-        waits on a busy store delays every look behind it, which no agent's own loop would."""
+        it saw the lease end, when it knew the leader, and who leads (None: it learned of no leader, or the
+        store failed it); ``seen`` once it has seen the lease held. Each follower looks on a thread of its own,
+        sleeping until its next look: in one loop for many, a look that waits on a busy store delays every
+        look behind it, which no agent's own loop would. The lease is given the whole start-up to appear
+        (1,024 agents start for minutes on 2 cores), as ``--rdzv-conf join_timeout`` gives a job's nodes."""
         store = connect()
-        lease = watch_leader_lease(store, 0, node_timeout, time.monotonic())
-        deadline = time.monotonic() + node_timeout * 8
-        while time.monotonic() < deadline:
+        lease = watch_leader_lease(store, 0, node_timeout, time.monotonic(), start_grace=STARTUP_WAIT)
+        while not stopping.wait(max(monitor_interval, lease.next_check - time.monotonic())):
             try:
                 ended = bool(lease.expired(time.monotonic()))
             except RuntimeError:
@@ -238,16 +272,16 @@ class Plane:
                 seen()
                 seen = None
             if ended:
+                seen_ended = time.monotonic()
                 try:
                     won = elect(store, 1, node, 0, nodes, lambda: ("127.0.0.1", 1), node_timeout)
                 except RuntimeError:
                     won = None
-                tell((time.monotonic(), won.node) if won is not None else None)
+                tell((seen_ended, time.monotonic(), won.node) if won is not None else None)
                 return
-            time.sleep(max(monitor_interval, lease.next_check - time.monotonic()))
-        tell(None)
 
     def close(self) -> None:
+        self.leader_lease.stop()
         self.leader_reader.stop()
         for child in self.children:
             child.stop()
@@ -258,18 +292,20 @@ class Plane:
 class Follower:
     """A forked process running the readers and leases of some simulated followers; it writes a line
     ``GEN TIME`` to its results pipe for each message a reader hands on, answers ``r`` on its command
-    pipe with its store requests so far (one JSON line), and on ``f`` starts watching the leader's lease for
-    each of its followers (a line ``S`` for each once it has seen the lease held, then ``F TIME LEADER`` once it
-    knows the next leader, ``F -`` if none)."""
+    pipe with its store requests so far (one JSON line), and on ``l`` has its followers take their leases (a
+    line ``L`` once each has) and watch the leader's (etcd): a line ``S`` for each once it has seen it held,
+    then ``F ENDED KNEW LEADER`` once it saw the lease end and knew the next leader, ``F -`` if it learned of
+    none."""
 
     def __init__(self, pid: int, commands: int, results: int) -> None:
         self.pid, self.commands, self.results = pid, commands, results
         self._buffer = b""
         self._pending: list[tuple[int, float]] = []
         self._answers: list[list[Any]] = []
-        self._learnt: list[tuple[float, int] | None] = []
+        self._learnt: list[tuple[float, float, int] | None] = []
         self._watching = 0
         self._seen = 0
+        self._held = False
 
     @classmethod
     def fork(cls, plane: Plane, nodes: list[int], timing: tuple[float, float], earlier: list[Follower]) -> Follower:
@@ -306,9 +342,10 @@ class Follower:
             readers.append(reader)
             selector.register(read_end, selectors.EVENT_READ, reader)
         leases = [LeaseKeeper(plane.connect, node, node_timeout) for node in nodes]
-        for worker in [*readers, *leases]:
-            worker.start()
+        for reader in readers:
+            reader.start()
         writing = threading.Lock()
+        stopping = threading.Event()
 
         def tell(out: Any, line: str) -> None:
             with writing:
@@ -319,20 +356,25 @@ class Follower:
                 for selected, _ in selector.select():
                     if selected.data is None:
                         command = os.read(commands, 1)
-                        if command == b"f":
-                            for node in nodes:
+                        if command == b"l":
+                            for lease in leases:
+                                lease.start()
+                            threading.Thread(target=lambda: (until_held(leases, stopping), tell(out, "L")),
+                                             daemon=True).start()
+                            for node in nodes if plane.watches_leader else ():
                                 threading.Thread(target=Plane.watch_leader, daemon=True, args=(
                                     plane.connect, node, plane.agents, node_timeout, monitor_interval,
-                                    lambda learnt, out=out: tell(out, f"F {learnt[0]} {learnt[1]}"
-                                                                 if learnt else "F -"),
-                                    lambda out=out: tell(out, "S"))).start()
+                                    lambda learnt: tell(out, "F {} {} {}".format(*learnt) if learnt else "F -"),
+                                    lambda: tell(out, "S"), stopping)).start()
                             continue
                         if command != b"r":  # closed: the bench is done
+                            stopping.set()
                             for worker in [*readers, *leases]:
                                 worker.stop()
                             return
                         with plane.lock, writing:
-                            out.write(json.dumps([plane.requests[0], plane.by_call]) + "\n")
+                            lapsed = sum(lease.lapsed for lease in leases)
+                            out.write(json.dumps([plane.requests[0], plane.by_call, lapsed]) + "\n")
                         continue
                     os.read(selected.fd, 4096)
                     now = time.monotonic()
@@ -349,17 +391,27 @@ class Follower:
         pending, self._pending = self._pending, []
         return pending
 
-    def ask_requests(self) -> tuple[int, dict[str, int]]:
-        """The store requests this process's agents made so far (deliveries read meanwhile are kept)."""
+    def ask_requests(self) -> tuple[int, dict[str, int], int]:
+        """The store requests this process's agents made so far, by kind of call, and how many of their leases
+        the store ended (deliveries read meanwhile are kept)."""
         os.write(self.commands, b"r")
         while not self._answers:
             self._read()
-        made, by_call = self._answers.pop(0)
-        return made, by_call
+        made, by_call, lapsed = self._answers.pop(0)
+        return made, by_call, lapsed
 
-    def start_watching(self) -> None:
-        """Have each of this process's followers watch the leader's lease (and elect when it ends)."""
-        os.write(self.commands, b"f")
+    def hold_leases(self) -> None:
+        """Have this process's followers take their leases, and watch the leader's (etcd)."""
+        os.write(self.commands, b"l")
+
+    def await_held(self, wait: float) -> None:
+        """Wait up to ``wait`` s until every lease of this process's followers has been renewed once."""
+        deadline = time.monotonic() + wait
+        while not self._held and time.monotonic() < deadline:
+            if select.select([self.results], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                self._read()
+        if not self._held:
+            raise SystemExit(f"followers' leases not held within {wait:g} s")
 
     def await_seen(self, wait: float) -> None:
         """Wait up to ``wait`` s until each of this process's followers has seen the leader's lease held."""
@@ -370,9 +422,9 @@ class Follower:
         if self._seen < self._watching:
             raise SystemExit(f"failover: {self._watching - self._seen} followers never saw the leader's lease")
 
-    def learnt(self, wait: float) -> list[tuple[float, int]]:
-        """When each follower knew the next leader, and which node it was told leads (waits up to ``wait`` s for
-        every follower; those that learned of none are left out)."""
+    def learnt(self, wait: float) -> list[tuple[float, float, int]]:
+        """When each follower saw the leader's lease end and knew the next leader, and which node it was told
+        leads (waits up to ``wait`` s for every follower; those that learned of none are left out)."""
         deadline = time.monotonic() + wait
         while len(self._learnt) < self._watching and time.monotonic() < deadline:
             if select.select([self.results], [], [], max(0.0, deadline - time.monotonic()))[0]:
@@ -385,9 +437,11 @@ class Follower:
         for line in map(bytes.decode, lines):
             if line == "S":
                 self._seen += 1
+            elif line == "L":
+                self._held = True
             elif line.startswith("F"):
                 fields = line.split()
-                self._learnt.append((float(fields[1]), int(fields[2])) if len(fields) == 3 else None)
+                self._learnt.append((float(fields[1]), float(fields[2]), int(fields[3])) if len(fields) == 4 else None)
             elif line.startswith("["):
                 self._answers.append(json.loads(line))
             else:
@@ -399,6 +453,12 @@ class Follower:
         os.close(self.commands)
         os.waitpid(self.pid, 0)
         os.close(self.results)
+
+
+def until_held(leases: list[LeaseKeeper], stopping: threading.Event) -> None:
+    """Return once each of ``leases`` has been renewed (taken) once, or ``stopping`` is set."""
+    while any(lease.renewals == 0 for lease in leases) and not stopping.wait(0.05):
+        pass
 
 
 def busy_cpu() -> float:
@@ -435,30 +495,37 @@ def main() -> None:
     print(f"{backend}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; "
           f"--node-timeout {args.node_timeout:g}; followers in {args.processes} processes")
     print(f"{'agents':>7} {'idle requests/agent/s':>22} {'plan p50 ms':>12} {'plan p99 ms':>12} "
-          f"{'store ms/plan':>14} {'machine ms/plan':>16} {'failover p50 s':>15} {'failover max s':>15}  idle, by call")
+          f"{'store ms/plan':>14} {'machine ms/plan':>16} {'end seen p50/max s':>19} {'failover p50 s':>15} "
+          f"{'failover max s':>15}  idle, by call")
     for agents in args.agents:
         connect, store_cpu = etcd_store(args.etcd, agents) if args.etcd else embedded_store()
-        plane = Plane(agents, args.node_timeout, args.monitor_interval, connect, args.processes)
+        plane = Plane(agents, args.node_timeout, args.monitor_interval, connect, args.processes, bool(args.etcd))
         try:
             # every reader connected and waiting on its bell: 1,024 agents starting at once on 2 cores (their
             # connections, leases and watches) took more than a minute on a loaded day
             plane.broadcast(0, within=STARTUP_WAIT)
+            plane.hold_leases(args.monitor_interval)
             idle, by_call = plane.idle_load(args.idle, args.monitor_interval)
             before, machine_before = (store_cpu() if store_cpu else 0.0), busy_cpu()
             latencies = [t for plan in range(1, args.plans + 1) for t in plane.broadcast(plan)]
             machine_ms = 1000 * (busy_cpu() - machine_before) / args.plans
+            lapsed = plane.requests_made()[2]
             store_ms = f"{1000 * (store_cpu() - before) / args.plans:>14.1f}" if store_cpu else f"{'-':>14}"
-            failover = "{:>15} {:>15}".format("-", "-")
+            failover = "{:>19} {:>15} {:>15}".format("-", "-", "-")
             if args.etcd:
-                took, leaders = plane.failover(args.node_timeout, args.monitor_interval)
+                ended, took, leaders = plane.failover(args.node_timeout)
                 if len(leaders) != 1:
                     raise SystemExit(f"failover: the followers were told of {len(leaders)} leaders: {leaders}")
-                failover = f"{statistics.median(took):>15.2f} {max(took):>15.2f}"
+                seen = f"{statistics.median(ended):.2f} / {max(ended):.2f}"
+                failover = f"{seen:>19} {statistics.median(took):>15.2f} {max(took):>15.2f}"
         finally:
             plane.close()
         print(f"{agents:>7} {idle:>22.2f} {1000 * statistics.median(latencies):>12.1f} "
               f"{1000 * percentile(latencies, 0.99):>12.1f} {store_ms} {machine_ms:>16.1f} {failover}  "
               + " ".join(f"{name} {rate:.2f}" for name, rate in sorted(by_call.items())), flush=True)
+        if lapsed:
+            print(f"        ({lapsed} followers' leases ended by the end of the plans: their keep-alives came later "
+                  f"than --node-timeout, the machine overloaded)", flush=True)
     etcd = f" --etcd {args.etcd}" if args.etcd else ""
     print(f"command: python scripts/bench_control_plane.py --agents {' '.join(map(str, args.agents))}{etcd} "
           f"--processes {args.processes}")
