@@ -406,30 +406,27 @@ class Follower:
 
     def await_held(self, wait: float) -> None:
         """Wait up to ``wait`` s until every lease of this process's followers has been renewed once."""
-        deadline = time.monotonic() + wait
-        while not self._held and time.monotonic() < deadline:
-            if select.select([self.results], [], [], max(0.0, deadline - time.monotonic()))[0]:
-                self._read()
-        if not self._held:
+        if not self._read_until(lambda: self._held, wait):
             raise SystemExit(f"followers' leases not held within {wait:g} s")
 
     def await_seen(self, wait: float) -> None:
         """Wait up to ``wait`` s until each of this process's followers has seen the leader's lease held."""
-        deadline = time.monotonic() + wait
-        while self._seen < self._watching and time.monotonic() < deadline:
-            if select.select([self.results], [], [], max(0.0, deadline - time.monotonic()))[0]:
-                self._read()
-        if self._seen < self._watching:
+        if not self._read_until(lambda: self._seen >= self._watching, wait):
             raise SystemExit(f"failover: {self._watching - self._seen} followers never saw the leader's lease")
 
     def learnt(self, wait: float) -> list[tuple[float, float, int]]:
         """When each follower saw the leader's lease end and knew the next leader, and which node it was told
         leads (waits up to ``wait`` s for every follower; those that learned of none are left out)."""
+        self._read_until(lambda: len(self._learnt) >= self._watching, wait)
+        return [learnt for learnt in self._learnt if learnt is not None]
+
+    def _read_until(self, done: Callable[[], bool], wait: float) -> bool:
+        """Read the results pipe until ``done()``, for ``wait`` s at most; whether it is done."""
         deadline = time.monotonic() + wait
-        while len(self._learnt) < self._watching and time.monotonic() < deadline:
+        while not done() and time.monotonic() < deadline:
             if select.select([self.results], [], [], max(0.0, deadline - time.monotonic()))[0]:
                 self._read()
-        return [learnt for learnt in self._learnt if learnt is not None]
+        return done()
 
     def _read(self) -> None:
         self._buffer += os.read(self.results, 1 << 16)
