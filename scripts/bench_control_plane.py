@@ -133,9 +133,9 @@ class Plane:
     requests)."""
 
     def __init__(self, agents: int, node_timeout: float, monitor_interval: float, store: Callable[[], KeyValue],
-                 processes: int, leader_lease: bool) -> None:
+                 processes: int, watches_leader: bool) -> None:
         self.store = store
-        self.watches_leader = leader_lease  # etcd: the leader keeps a lease, which the followers watch
+        self.watches_leader = watches_leader  # etcd: the leader keeps a lease, which the followers watch
         self.seal = Seal(new_secret())
         self.requests, self.lock = [0], threading.Lock()
         self.by_call: dict[str, int] = {}
@@ -525,6 +525,7 @@ def main() -> None:
                   f"than --node-timeout, the machine overloaded)", flush=True)
     etcd = f" --etcd {args.etcd}" if args.etcd else ""
     print(f"command: python scripts/bench_control_plane.py --agents {' '.join(map(str, args.agents))}{etcd} "
+          f"--idle {args.idle:g} --plans {args.plans} --node-timeout {args.node_timeout:g} "
           f"--processes {args.processes}")
 
 
