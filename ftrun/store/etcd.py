@@ -1,10 +1,9 @@
 """An etcd cluster as a job's store: the :class:`~ftrun.store.kv.KeyValue` operations over etcd's v3 API.
 
-The client is ``etcd3gw`` (OpenStack's, maintained): it speaks etcd's HTTP/JSON gateway, which every etcd
-since 3.3 serves on its client port, so it needs neither gRPC nor generated protobuf code, and it carries
-TLS (CA, client certificate and key) through ``requests``. ftrun uses its session, URL discovery and error
-mapping, and posts the few v3 calls it needs itself where the library's helpers drop what ftrun needs (the
-header revision a watch must start from, the mod revision a compare-and-swap compares).
+ftrun speaks etcd's HTTP/JSON gateway, which every etcd since 3.3 serves on its client port, through urllib3
+(:mod:`ftrun.store.etcd_http`): it needs neither gRPC nor generated protobuf code, and the few v3 calls ftrun
+makes (range, put, delete, a transaction, the lease calls, a watch) are posted as they are, with the header
+revision a watch must start from and the mod revision a compare-and-swap compares.
 
 - Every key of a job lives under ``/ftrun/<run id>/``: jobs that share a cluster never see each other's keys.
 - ``get`` and ``wait`` read the key and, when it is absent, watch it from the revision they read at: a value
@@ -32,10 +31,13 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ftrun.store.etcd_config import EtcdOptions, EtcdUnavailable, EtcdUnreachable
+from ftrun.store.etcd_config import EtcdOptions, EtcdRefused, EtcdUnavailable, EtcdUnreachable
 from ftrun.store.etcd_watch import KeyRange, OpenWatch, Watches, b64, prefix_end, range_for
+
+if TYPE_CHECKING:
+    from ftrun.store.etcd_http import Member
 
 TXN_PUTS = 128
 """Writes per transaction: etcd's default limit (--max-txn-ops)."""
@@ -75,36 +77,29 @@ class EtcdKeyValue:
     """
 
     def __init__(self, options: EtcdOptions, timeout: float = 10.0) -> None:
-        import etcd3gw  # only a job with the etcd backend needs it
+        from ftrun.store.etcd_http import Member, Tls  # only a job with the etcd backend needs urllib3
 
         self.options = options
         self.timeout = timeout
         self._prefix = options.prefix.encode()
-        self._clients = [etcd3gw.Etcd3Client(host=host, port=port, protocol="https" if self._tls else "http",
-                                             ca_cert=options.ca_cert, cert_key=options.key,
-                                             cert_cert=options.cert, timeout=timeout, api_path="/v3/")
-                         for host, port in options.endpoints]
-        for client in self._clients:
-            # the CA given, not REQUESTS_CA_BUNDLE's (requests prefers the environment's to a session's), and
-            # no proxy from the environment between the agents and their store
-            client.session.trust_env = False
+        tls = Tls(options.ca_cert, options.cert, options.key) if self._tls else None
+        self._members = [Member(host, port, tls, timeout) for host, port in options.endpoints]
         self._current = 0
         self._interrupted = threading.Event()
         self._watches = Watches()
         self._kept = Watches()  # read_watched's: watches that keep a few keys known (a leader's lease)
-        self._errors = etcd3gw.exceptions
         if options.user:
-            for client in self._clients:
-                self._authenticate(client)
+            for member in self._members:
+                self._authenticate(member)
 
     @property
     def _tls(self) -> bool:
         return self.options.https or bool(self.options.ca_cert or self.options.cert)
 
     # ------------------------------------------------------------------ transport
-    def _authenticate(self, client: Any) -> None:
-        """Take a token for the configured user from ``client``'s member (skipped while it is down). The password
-        is read from its file each time, never kept."""
+    def _authenticate(self, member: Member) -> None:
+        """Take a token for the configured user from ``member`` (skipped while it is down, or refuses: the call
+        that needed the token then says why). The password is read from its file each time, never kept."""
         password = ""
         if self.options.password_file:
             try:
@@ -113,44 +108,39 @@ class EtcdKeyValue:
             except OSError as exc:
                 raise EtcdUnavailable(f"etcd: cannot read the password file: {exc.strerror}") from None
         try:
-            answer = client.session.post(client.get_url("/auth/authenticate"),
-                                         json={"name": self.options.user, "password": password},
-                                         timeout=self.timeout)
-        except OSError:
+            answer = member.post("auth/authenticate", {"name": self.options.user, "password": password})
+        except (OSError, ValueError, EtcdRefused):
             return
-        if answer.status_code == 200:
-            client.session.headers["Authorization"] = answer.json().get("token", "")
+        token = answer.get("token") if isinstance(answer, dict) else None
+        if isinstance(token, str):
+            member.headers["Authorization"] = token
 
     def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """POST ``body`` to ``/v3/<path>`` on the first endpoint that answers, starting with the last good one."""
         failures = []
-        for turn in range(len(self._clients)):
-            index = (self._current + turn) % len(self._clients)
+        for turn in range(len(self._members)):
+            index = (self._current + turn) % len(self._members)
             try:
-                answer = self._post(self._clients[index], path, body)
-            except (self._errors.ConnectionFailedError, self._errors.ConnectionTimeoutError, OSError) as exc:
-                # OSError: what else the transport raises (requests' ChunkedEncodingError: an answer cut off
-                # mid-body), which must reach no caller as anything but EtcdUnavailable
+                answer = self._post(self._members[index], path, body)
+            except OSError as exc:
                 host, port = self.options.endpoints[index]
-                failures.append(f"{host}:{port}: {type(exc).__name__}")
+                failures.append(f"{host}:{port}: {exc}")
                 continue
             self._current = index
             return answer
         raise EtcdUnreachable(f"no etcd endpoint answered ({'; '.join(failures)})")
 
-    def _post(self, client: Any, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    def _post(self, member: Member, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """One call; a refused token is renewed once; any other refusal is EtcdUnavailable."""
         for attempt in range(2):
             try:
-                answer = client.post(client.get_url(path), json=body)
-            except ValueError:  # requests' JSONDecodeError: not an etcd gateway's answer
+                answer = member.post(path, body)
+            except ValueError:
                 raise EtcdUnavailable(f"etcd: the answer to {path} is not JSON") from None
-            except self._errors.Etcd3Exception as exc:
-                if isinstance(exc, (self._errors.ConnectionFailedError, self._errors.ConnectionTimeoutError)):
-                    raise
-                text = str(exc.detail_text or "")
+            except EtcdRefused as exc:
+                text = str(exc)
                 if attempt == 0 and self.options.user and "token" in text:
-                    self._authenticate(client)
+                    self._authenticate(member)
                     continue
                 raise EtcdUnavailable(f"etcd refused {path}: {text[:200]}") from None
             if not isinstance(answer, dict) or not isinstance(_body(answer).get("header"), dict):
@@ -267,7 +257,7 @@ class EtcdKeyValue:
                 if self._interrupted.is_set():
                     raise EtcdUnavailable("etcd: the wait was interrupted")
                 return came
-            self._current = (self._current + 1) % len(self._clients)  # a watch ended: its member went away
+            self._current = (self._current + 1) % len(self._members)  # a watch ended: its member went away
 
     def _open(self, watches: Watches, ranges: set[KeyRange], revision: int,
               listed: dict[str, list[str]] | None = None) -> bool:
@@ -276,11 +266,11 @@ class EtcdKeyValue:
         goes to another)."""
         try:
             for key_range in ranges:
-                watches.add(OpenWatch(self._clients[self._current], key_range, revision + 1, self._prefix,
-                                      watches.changed, self.timeout,
+                watches.add(OpenWatch(self._members[self._current], key_range, revision + 1, self._prefix,
+                                      watches.changed,
                                       (listed or {}).get(key_range.start) if key_range.prefix else None))
         except OSError:
-            self._current = (self._current + 1) % len(self._clients)
+            self._current = (self._current + 1) % len(self._members)
             return False
         return True
 

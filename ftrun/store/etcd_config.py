@@ -26,6 +26,10 @@ class EtcdUnavailable(RuntimeError):
     """No endpoint of the etcd cluster answered (or it refused the call)."""
 
 
+class EtcdRefused(EtcdUnavailable):
+    """A member answered a call with an error; the message is its answer (the first 1,000 bytes)."""
+
+
 class EtcdUnreachable(EtcdUnavailable):
     """No endpoint of the etcd cluster could be reached at all: for a moment (a member lost, the others electing
     a leader, a loaded machine) or for good; a wait with time left tries again."""
@@ -107,8 +111,8 @@ def parse_url(url: str) -> EtcdOptions:
 def etcd_options(endpoints: str, run_id: str, conf: dict[str, str]) -> EtcdOptions:
     """The etcd backend's options from ``--rdzv-endpoint`` and ``--rdzv-conf``; UsageError for what cannot work
     (no client library, a file that cannot be read, a protocol that is neither http nor https)."""
-    if importlib.util.find_spec("etcd3gw") is None:
-        raise UsageError("--rdzv-backend etcd needs the etcd client: pip install 'ftrun[etcd]' (etcd3gw)")
+    if importlib.util.find_spec("urllib3") is None:
+        raise UsageError("--rdzv-backend etcd needs an HTTP client: pip install 'ftrun[etcd]' (urllib3)")
     protocol = conf.get("protocol", "http")
     if protocol not in ("http", "https"):
         raise UsageError(f"--rdzv-conf protocol={protocol[:20]!r}: use http or https")

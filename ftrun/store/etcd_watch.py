@@ -21,17 +21,15 @@ from __future__ import annotations
 
 import base64
 import json
-import socket
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
+
+from ftrun.store.etcd_http import Member
 
 KNOWN_KEYS = 1024
 """Keys a watch remembers; past this it forgets the half known longest ago (read again if waited for)."""
 
-MAX_LINE = 16 << 20
-"""Bytes of one line of a watch stream past which it is not etcd's (an answer carries values of at most etcd's
-request limit, 1.5 MiB by default, base64 in JSON)."""
 Event = tuple[str, "bytes | None", int]
 """One change a watch saw: the key (without the job's prefix), its value (None: deleted), its revision."""
 
@@ -113,73 +111,14 @@ def parse_events(line: bytes, prefix: bytes) -> tuple[list[Event], bool]:
         raise ValueError(f"not a watch event: {exc}") from None
 
 
-def session_like(session: Any) -> Any:
-    """A new HTTP session with ``session``'s TLS settings and headers (the auth token): a watch's stream gets
-    a connection of its own, so that a stream closed under its reader poisons no shared pool."""
-    import requests
-
-    fresh = requests.Session()
-    fresh.trust_env, fresh.verify, fresh.cert = False, session.verify, session.cert
-    fresh.headers.update(session.headers)
-    return fresh
-
-
-def close_stream(response: Any) -> None:
-    """End a watch stream, unblocking its reader thread: shut down the stream's own socket under it, then close.
-
-    The socket is the connection object's (urllib3's), never one made from the stream's file descriptor
-    number: the reader thread may have closed that descriptor already, and its number may by now be another
-    socket of this process's (a worker's, a store's), which a shutdown would cut.
-    """
-    sock = getattr(getattr(response.raw, "_connection", None), "sock", None)
-    if sock is not None:
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:  # closed meanwhile
-            pass
-    try:
-        response.close()
-    except (OSError, AttributeError, ValueError):  # the reader thread closed it under us (http.client is not
-        pass  # thread-safe): it is closed either way, and the wait's thread must not die of it
-
-
-def stream_lines(response: Any) -> Iterator[bytes]:
-    """The non-empty lines of a streamed response's chunked body, each as soon as its chunk comes (etcd's
-    gateway sends each of a watch's answers as a line). Read off urllib3's chunks directly: requests'
-    ``iter_lines`` goes through three more generators per chunk, which a thousand watches pay at each event."""
-    pending: list[bytes] = []  # the start of a line whose end has not come yet
-    size = 0
-    for chunk in response.raw.read_chunked(decode_content=False):
-        if b"\n" not in chunk:
-            pending.append(chunk)
-            size += len(chunk)
-            if size > MAX_LINE:
-                raise ValueError(f"a watch's answer longer than {MAX_LINE} bytes is not etcd's")
-            continue
-        *lines, rest = b"".join([*pending, chunk]).split(b"\n")
-        pending, size = [rest], len(rest)
-        yield from (line for line in lines if line.strip())
-
-
-def open_watch(client: Any, body: dict[str, Any], timeout: float) -> tuple[Any, Any]:
-    """Start a watch (``body``: its create request) on ``client``'s member: the session and the streamed
-    response (OSError when the member cannot be reached)."""
-    session = session_like(client.session)
-    try:
-        return session, session.post(client.get_url("/watch"), json=body, stream=True, timeout=(timeout, None))
-    except OSError:
-        session.close()
-        raise
-
-
 class OpenWatch:
-    """One watch kept open on ``key_range`` of one member, from ``revision`` on: a thread reads its stream and
+    """One watch kept open on ``key_range`` of ``member``, from ``revision`` on: a thread reads its stream and
     notes each change in :attr:`known`, notifying ``changed`` (whose lock guards :attr:`known`) at each line
     and at the stream's end (:attr:`ended`). ``listed``: every key of the range just before ``revision``
     (see :class:`Known`)."""
 
-    def __init__(self, client: Any, key_range: KeyRange, revision: int, prefix: bytes,
-                 changed: threading.Condition, timeout: float, listed: Iterable[str] | None = None) -> None:
+    def __init__(self, member: Member, key_range: KeyRange, revision: int, prefix: bytes,
+                 changed: threading.Condition, listed: Iterable[str] | None = None) -> None:
         self.key_range = key_range
         self.known = Known(listed)
         self.ended = False
@@ -188,12 +127,12 @@ class OpenWatch:
         body: dict[str, Any] = {"create_request": {"key": b64(start), "start_revision": revision}}
         if key_range.prefix:
             body["create_request"]["range_end"] = b64(prefix_end(start))
-        self._session, self._response = open_watch(client, body, timeout)
+        self._stream = member.stream("watch", body)
         threading.Thread(target=self._read, args=(prefix,), name="ftrun-etcd-watch", daemon=True).start()
 
     def _read(self, prefix: bytes) -> None:
         try:
-            for line in stream_lines(self._response):
+            for line in self._stream.lines():
                 events, cancelled = parse_events(line, prefix)
                 with self._changed:
                     for key, value, revision in events:
@@ -210,8 +149,7 @@ class OpenWatch:
 
     def close(self) -> None:
         """Stop watching (the thread ends as its stream is shut down)."""
-        close_stream(self._response)
-        self._session.close()
+        self._stream.close()
 
 
 class Watches:

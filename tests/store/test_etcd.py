@@ -96,18 +96,11 @@ def test_a_wait_sees_a_key_written_while_it_watches_and_interrupt_ends_it(etcd_c
 def test_an_interrupt_that_comes_while_the_watch_is_being_opened_ends_the_wait(etcd_cluster, monkeypatch):
     # the interrupt lands after the wait's own look at it and before the watch it opens is registered: the
     # wait still ends at once (it used to sit out its timeout, and a reader's stop gave up on its thread)
-    from ftrun.store import etcd_watch
+    from ftrun.store.etcd_http import Member
 
     waiter = client(etcd_cluster, "opening")
-    opened = etcd_watch.session_like
-
-    def interrupted_while_opening(session):
-        fresh = opened(session)
-        post = fresh.post
-        fresh.post = lambda *args, **kwargs: (waiter.interrupt(), post(*args, **kwargs))[1]
-        return fresh
-
-    monkeypatch.setattr(etcd_watch, "session_like", interrupted_while_opening)
+    opened = Member.stream
+    monkeypatch.setattr(Member, "stream", lambda member, *args: (waiter.interrupt(), opened(member, *args))[1])
     with pytest.raises(EtcdUnavailable, match="interrupted"):
         waiter.wait(["never"], timedelta(seconds=5))
 
@@ -176,29 +169,29 @@ def test_a_client_carries_on_against_the_others_when_one_member_of_three_dies(tm
 
 
 def test_a_user_and_password_file_authenticate_and_an_invalidated_token_is_renewed(tmp_path):
-    import requests
+    from ftrun.store.etcd_http import Member
 
     cluster = Cluster(tmp_path, size=1)
     try:
-        api = f"http://{cluster.endpoints}/v3/"
+        host, port = cluster.endpoints.split(",")[0].rsplit(":", 1)
+        api = Member(host, int(port), None, 10)
         for path, body in (("auth/user/add", {"name": "root", "password": "pw"}),
                            ("auth/user/grant", {"user": "root", "role": "root"}), ("auth/enable", {})):
-            assert requests.post(api + path, json=body, timeout=10).status_code == 200
+            api.post(path, body)
         password = tmp_path / "password"
         password.write_text("pw\n")
         conf = {"user": "root", "password_file": str(password)}
         kv = EtcdKeyValue(etcd_options(cluster.endpoints, "auth", conf), 5)
         kv.set("k", "1")
-        first = kv._clients[0].session.headers["Authorization"]
+        first = kv._members[0].headers["Authorization"]
         # etcd drops a user's tokens when its password changes: the client's next call is refused, and it
         # authenticates again from the file
         admin = EtcdKeyValue(etcd_options(cluster.endpoints, "auth", conf), 5)
         admin.set("other", "x")
-        token = admin._clients[0].session.headers["Authorization"]
-        assert requests.post(api + "auth/user/changepw", json={"name": "root", "password": "pw"},
-                             headers={"Authorization": token}, timeout=10).status_code == 200
+        api.headers["Authorization"] = admin._members[0].headers["Authorization"]
+        api.post("auth/user/changepw", {"name": "root", "password": "pw"})
         assert kv.get("k") == b"1" and kv.add("n", 1) == 1
-        assert kv._clients[0].session.headers["Authorization"] != first  # a new token was taken
+        assert kv._members[0].headers["Authorization"] != first  # a new token was taken
         with pytest.raises(EtcdUnavailable, match="user name is empty"):
             EtcdKeyValue(etcd_options(cluster.endpoints, "auth", {}), 5).set("k", "2")
     finally:

@@ -9,14 +9,13 @@ import http.server
 import json
 import threading
 
-import etcd3gw
 import pytest
 
 from etcd_members import Cluster
 from runs import until
 from ftrun.store.etcd import EtcdKeyValue
 from ftrun.store.etcd_config import EtcdOptions, parse_endpoints
-from ftrun.store import etcd_watch
+from ftrun.store import etcd_http
 from ftrun.store.etcd_watch import KeyRange, Known, OpenWatch, parse_events, range_for
 
 
@@ -99,7 +98,7 @@ def test_a_watch_reads_lines_across_and_within_chunks_and_ends_at_a_line_with_no
     first, second = event_line("/ftrun/j/a", "1", 5), event_line("/ftrun/j/b", "2", 6)
     chunks = {"split": [first[:7], first[7:] + second[:3], second[3:]], "joined": [first + b"\n" + second],
               "endless": [b'{"result": ' + b"x" * 40] * 5}[chunking]
-    monkeypatch.setattr(etcd_watch, "MAX_LINE", 150)
+    monkeypatch.setattr(etcd_http, "MAX_LINE", 150)
     sent = threading.Event()
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -121,8 +120,8 @@ def test_a_watch_reads_lines_across_and_within_chunks_and_ends_at_a_line_with_no
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     changed = threading.Condition()
-    watch = OpenWatch(etcd3gw.Etcd3Client(host="127.0.0.1", port=server.server_address[1], api_path="/v3/"),
-                      KeyRange("", prefix=True), 5, b"/ftrun/j/", changed, 5.0)
+    watch = OpenWatch(etcd_http.Member("127.0.0.1", server.server_address[1], None, 5.0),
+                      KeyRange("", prefix=True), 5, b"/ftrun/j/", changed)
     try:
         with changed:
             if chunking == "endless":
