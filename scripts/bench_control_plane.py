@@ -77,8 +77,11 @@ class Counting:
         self.kv, self.counter, self.lock, self.by_call = kv, counter, lock, by_call
 
     def __getattr__(self, name: str) -> Any:
+        """The connection's ``name``, counted where it is a call; kept on this object, so that the next look-up
+        of it does not come here (a thousand agents' look-ups cost the machine they measure)."""
         attribute = getattr(self.kv, name)
         if name not in self.CALLS:
+            self.__dict__[name] = attribute
             return attribute
 
         def counted(*args: Any, **kwargs: Any) -> Any:
@@ -89,6 +92,7 @@ class Counting:
                 self.by_call[name] = self.by_call.get(name, 0) + calls
             return attribute(*args, **kwargs)
 
+        self.__dict__[name] = counted
         return counted
 
 
