@@ -131,7 +131,10 @@ class EtcdKeyValue:
         raise EtcdUnreachable(f"no etcd endpoint answered ({'; '.join(failures)})")
 
     def _post(self, member: Member, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """One call; a refused token is renewed once; any other refusal is EtcdUnavailable."""
+        """One call; a refused token is renewed once; any other refusal is EtcdUnavailable. A member with no
+        token yet (down when this client started) is asked for one first."""
+        if self.options.user and "Authorization" not in member.headers:
+            self._authenticate(member)
         for attempt in range(2):
             try:
                 answer = member.post(path, body)

@@ -194,6 +194,10 @@ def test_a_user_and_password_file_authenticate_and_an_invalidated_token_is_renew
         assert kv._members[0].headers["Authorization"] != first  # a new token was taken
         with pytest.raises(EtcdUnavailable, match="user name is empty"):
             EtcdKeyValue(etcd_options(cluster.endpoints, "auth", {}), 5).set("k", "2")
+        cluster.members[0].kill()  # a client that starts while its member is down authenticates once it is back
+        late = EtcdKeyValue(etcd_options(cluster.endpoints, "auth", conf), 5)
+        cluster.restart(0)
+        assert late.get("k") == b"1"
     finally:
         cluster.stop()
 
