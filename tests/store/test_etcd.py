@@ -14,6 +14,7 @@ from datetime import timedelta
 import pytest
 
 from etcd_members import Cluster, Tls
+from http_answers import answering
 from ftrun import cli
 from ftrun.errors import UsageError
 from ftrun.store.etcd import EtcdKeyValue
@@ -228,26 +229,20 @@ def test_a_server_that_is_not_etcd_is_one_clear_error(answer):
     """Whatever answers at the endpoint, a read or a wait raises EtcdUnavailable (a RuntimeError): never a
     KeyError, a decoding error, a transport's own error (an answer cut off mid-body: a mailbox reader's or a
     lease keeper's thread would die of it) or a crash."""
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 -- http.server's name
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            self.send_response(200)
-            if answer is CUT_OFF:  # a chunk announced longer than what comes before the connection closes
-                self.send_header("Transfer-Encoding", "chunked")
-                self.end_headers()
-                self.wfile.write(b"40\r\n{\"header\": ")
-                self.close_connection = True
-                return
-            self.end_headers()
-            self.wfile.write(answer)
+    def write(handler: http.server.BaseHTTPRequestHandler, _body: bytes) -> None:
+        handler.send_response(200)
+        if answer is CUT_OFF:  # a chunk announced longer than what comes before the connection closes
+            handler.send_header("Transfer-Encoding", "chunked")
+            handler.end_headers()
+            handler.wfile.write(b"40\r\n{\"header\": ")
+            handler.close_connection = True
+            return
+        handler.send_header("Content-Length", str(len(answer)))
+        handler.end_headers()
+        handler.wfile.write(answer)
 
-        def log_message(self, *args) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        kv = EtcdKeyValue(EtcdOptions((("127.0.0.1", server.server_address[1]),), "x"), timeout=5)
+    with answering(write) as port:
+        kv = EtcdKeyValue(EtcdOptions((("127.0.0.1", port),), "x"), timeout=5)
         for call in (lambda: kv.get("k"), lambda: kv.check(["k"]), lambda: kv.add("n", 1),
                      lambda: kv.wait(["k"], timedelta(seconds=1))):
             with pytest.raises(EtcdUnavailable):
@@ -256,8 +251,6 @@ def test_a_server_that_is_not_etcd_is_one_clear_error(answer):
             assert kv.list_keys() == []  # an answer with a header and nothing else lists nothing
         except EtcdUnavailable:
             pass
-    finally:
-        server.shutdown()
 
 
 @pytest.mark.fast

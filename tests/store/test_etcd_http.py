@@ -6,11 +6,11 @@ import contextlib
 import http.server
 import json
 import socket
-import threading
 from collections.abc import Iterator
 
 import pytest
 
+from http_answers import answering
 from ftrun.store.etcd_config import EtcdRefused
 from ftrun.store.etcd_http import Member
 
@@ -23,26 +23,16 @@ def gateway() -> Iterator[tuple[int, list[dict]]]:
     bodies = {"json": b'{"header": {"revision": "3"}, "kvs": []}', "html": b"<html>busy</html>",
               "error": b'{"error": "etcdserver: leader changed", "code": 14}'}
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+    def answer(handler: http.server.BaseHTTPRequestHandler, body: bytes) -> None:
+        taken.append({"path": handler.path, "auth": handler.headers.get("Authorization"), "body": json.loads(body)})
+        _, _, status, kind = handler.path.split("/")
+        handler.send_response(int(status))
+        handler.send_header("Content-Length", str(len(bodies[kind])))
+        handler.end_headers()
+        handler.wfile.write(bodies[kind])
 
-        def do_POST(self) -> None:  # noqa: N802 -- http.server's name
-            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            taken.append({"path": self.path, "auth": self.headers.get("Authorization"), "body": json.loads(body)})
-            _, _, status, kind = self.path.split("/")
-            answer = bodies[kind]
-            self.send_response(int(status))
-            self.send_header("Content-Length", str(len(answer)))
-            self.end_headers()
-            self.wfile.write(answer)
-
-        def log_message(self, *args) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield server.server_address[1], taken
-    server.shutdown()
+    with answering(answer) as port:
+        yield port, taken
 
 
 @pytest.mark.fast
