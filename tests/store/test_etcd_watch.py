@@ -12,6 +12,7 @@ import threading
 import pytest
 
 from etcd_members import Cluster
+from http_answers import answering
 from runs import until
 from ftrun.store.etcd import EtcdKeyValue
 from ftrun.store.etcd_config import EtcdOptions, parse_endpoints
@@ -101,39 +102,30 @@ def test_a_watch_reads_lines_across_and_within_chunks_and_ends_at_a_line_with_no
     monkeypatch.setattr(etcd_http, "MAX_LINE", 150)
     sent = threading.Event()
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+    def stream(handler: http.server.BaseHTTPRequestHandler, _body: bytes) -> None:
+        handler.send_response(200)
+        handler.send_header("Transfer-Encoding", "chunked")
+        handler.end_headers()
+        for chunk in chunks:
+            handler.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            handler.wfile.flush()
+        sent.wait(10)  # the stream stays open, as a watch's does
 
-        def do_POST(self) -> None:  # noqa: N802 -- http.server's name
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            self.send_response(200)
-            self.send_header("Transfer-Encoding", "chunked")
-            self.end_headers()
-            for chunk in chunks:
-                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-                self.wfile.flush()
-            sent.wait(10)  # the stream stays open, as a watch's does
-
-        def log_message(self, *args) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
     changed = threading.Condition()
-    watch = OpenWatch(etcd_http.Member("127.0.0.1", server.server_address[1], None, 5.0),
-                      KeyRange("", prefix=True), 5, b"/ftrun/j/", changed)
-    try:
-        with changed:
-            if chunking == "endless":
-                assert changed.wait_for(lambda: watch.ended, timeout=10)
-                assert watch.known.value("a") is None
-            else:
-                assert changed.wait_for(lambda: watch.known.value("b") is not None, timeout=10)
-                assert (watch.known.value("a"), watch.known.value("b"), watch.ended) == (b"1", b"2", False)
-    finally:
-        sent.set()
-        watch.close()
-        server.shutdown()
+    with answering(stream) as port:
+        watch = OpenWatch(etcd_http.Member("127.0.0.1", port, None, 5.0), KeyRange("", prefix=True), 5,
+                          b"/ftrun/j/", changed)
+        try:
+            with changed:
+                if chunking == "endless":
+                    assert changed.wait_for(lambda: watch.ended, timeout=10)
+                    assert watch.known.value("a") is None
+                else:
+                    assert changed.wait_for(lambda: watch.known.value("b") is not None, timeout=10)
+                    assert (watch.known.value("a"), watch.known.value("b"), watch.ended) == (b"1", b"2", False)
+        finally:
+            sent.set()
+            watch.close()
 
 
 def test_a_senders_next_broadcast_comes_in_its_watchs_event_with_no_request(etcd_cluster):
