@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.server
 import shutil
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -199,6 +200,33 @@ def test_a_user_and_password_file_authenticate_and_an_invalidated_token_is_renew
         late = EtcdKeyValue(etcd_options(cluster.endpoints, "auth", conf), 5)
         cluster.restart(0)
         assert late.get("k") == b"1"
+    finally:
+        cluster.stop()
+
+
+def ipv6_loopback() -> bool:
+    """Whether this machine has an IPv6 loopback address to listen on."""
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback address here")
+def test_a_member_on_an_ipv6_address_is_reached_for_calls_and_watches(tmp_path):
+    cluster = Cluster(tmp_path, size=1, host="[::1]")
+    try:
+        assert cluster.endpoints.startswith("[::1]:")
+        kv, watcher = client(cluster, "v6"), client(cluster, "v6")
+        kv.set("a", "1")
+        assert watcher.get("a") == b"1"
+        timer = threading.Timer(0.2, kv.set, ("b", "2"))
+        timer.start()
+        watcher.wait(["b"], timedelta(seconds=10))  # a watch, opened on the member's IPv6 address
+        timer.join()
+        assert watcher.get("b") == b"2"
     finally:
         cluster.stop()
 
