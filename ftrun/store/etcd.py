@@ -12,8 +12,9 @@ revision a watch must start from and the mod revision a compare-and-swap compare
   values from their events (:mod:`ftrun.store.etcd_watch`).
 - An election's claim is a create that only one caller can make (a transaction on the key's create revision).
 - ``add`` is a compare-and-swap on the key's mod revision, retried while another writer wins.
-- Several endpoints (``h1:2379,h2:2379,h3:2379``) are tried in turn: a member that stops answering is left
-  for the next, so losing one member of three is not noticed by the job.
+- Several endpoints (``h1:2379,h2:2379,h3:2379``) are tried in turn, from a member drawn at random (the
+  clients of a job spread over the cluster): a member that stops answering is left for the next, so losing
+  one member of three is not noticed by the job.
 - Leases are etcd's own (``lease/grant``, ``lease/keepalive``): a key written on a lease is deleted by etcd
   once nobody has kept the lease alive for its TTL, on etcd's clock, so that whether a node is lost is
   decided once, in the cluster, not by each reader's clock.
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import math
+import random
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -84,13 +86,21 @@ class EtcdKeyValue:
         self._prefix = options.prefix.encode()
         tls = Tls(options.ca_cert, options.cert, options.key) if self._tls else None
         self._members = [Member(host, port, tls, timeout) for host, port in options.endpoints]
-        self._current = 0
+        # each client starts with a member drawn at random, as etcd's own client balances: every node is given
+        # the same endpoints, and a cluster whose nodes all started with the first would serve every call and
+        # every watch of the job (a plan's fan-out to each watcher above all) from that one member
+        self._current = random.randrange(len(self._members))
         self._interrupted = threading.Event()
         self._watches = Watches()
         self._kept = Watches()  # read_watched's: watches that keep a few keys known (a leader's lease)
         if options.user:
             for member in self._members:
                 self._authenticate(member)
+
+    @property
+    def member_in_use(self) -> int:
+        """Which of the endpoints (an index into ``options.endpoints``) the next call goes to first."""
+        return self._current
 
     @property
     def _tls(self) -> bool:

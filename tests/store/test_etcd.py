@@ -129,6 +129,16 @@ def test_nothing_listening_is_one_clear_runtime_error(free_port):
         kv.set("k", "v")
 
 
+@pytest.mark.fast
+def test_clients_start_with_members_drawn_at_random_so_a_cluster_shares_the_job():
+    # every node is given the same endpoints: clients that all began with the first would load one member
+    # with every call and watch of the job (nothing listens here: choosing a member makes no call)
+    endpoints = parse_endpoints("127.0.0.1:1,127.0.0.1:2,127.0.0.1:3")
+    used = [EtcdKeyValue(EtcdOptions(endpoints, "spread"), 1.0).member_in_use for _ in range(90)]
+    assert set(used) == {0, 1, 2}
+    assert min(used.count(index) for index in range(3)) > 5  # about 30 each; 5 or fewer: under a 1e-7 chance
+
+
 def test_a_wait_rides_out_a_moment_when_no_member_can_be_reached(tmp_path):
     # the only member dies under a running watch and comes back: the wait, with time left, reads again
     cluster = Cluster(tmp_path, size=1)
@@ -151,11 +161,11 @@ def test_a_client_carries_on_against_the_others_when_one_member_of_three_dies(tm
     try:
         kv, watcher = client(cluster, "j"), client(cluster, "j")
         kv.set("before", "1")
-        assert watcher.get("before") == b"1"  # the watcher's reads now go to the first member
+        assert watcher.get("before") == b"1"
         waited = []
         thread = threading.Thread(target=lambda: waited.append(watcher.wait(["after"], timedelta(seconds=30))))
         thread.start()
-        cluster.members[0].kill()  # the member both clients were using, under a running watch
+        cluster.members[watcher.member_in_use].kill()  # the member the watcher uses, under its running watch
         deadline = time.monotonic() + 30
         while True:  # the remaining two elect a leader (if the killed one led) and serve the write
             try:
