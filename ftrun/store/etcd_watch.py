@@ -23,9 +23,10 @@ import base64
 import json
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ftrun.store.etcd_http import Member
+if TYPE_CHECKING:
+    from ftrun.store.etcd_http import Member  # imports urllib3: only a job with the etcd backend needs it
 
 KNOWN_KEYS = 1024
 """Keys a watch remembers; past this it forgets the half known longest ago (read again if waited for)."""

@@ -6,6 +6,8 @@ import contextlib
 import http.server
 import json
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -70,3 +72,12 @@ def socket_bound() -> Iterator[int]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         yield sock.getsockname()[1]
+
+
+@pytest.mark.fast
+def test_ftrun_imports_no_http_client_until_a_job_uses_etcd():
+    # urllib3 comes with the etcd extra: a job on the embedded store must start without it
+    probe = ("import sys; import ftrun.cli, ftrun.agent.store_access, ftrun.launcher.multihost, ftrun.store.etcd; "
+             "print('urllib3' in sys.modules)")
+    found = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert found.stdout.strip() == "False", found.stderr
