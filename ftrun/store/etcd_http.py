@@ -4,9 +4,9 @@ Every etcd since 3.3 serves its v3 API as JSON over HTTP on its client port (the
 needs neither gRPC nor generated protobuf code: a call is a POST of a JSON body to ``/v3/<path>``, bytes are
 base64, and a watch is a POST whose answer streams one JSON line per event. urllib3 (the HTTP library under
 requests) keeps the connections open from call to call, checks a kept one is still up before it reuses it,
-and carries TLS (a CA, a client certificate and key). It costs a caller about a third of a millisecond of CPU
-per call here; the client ftrun used first, etcd3gw on requests, spent 0.96 ms (500 keep-alives timed in one
-thread, against one member on this machine), which a thousand simulated agents on two cores could not afford.
+and carries TLS (a CA, a client certificate and key). A call costs its caller 0.36-0.50 ms of CPU here, where
+etcd3gw on requests, the client ftrun used first, spent 0.74-0.83 ms (500 keep-alives each, timed in one run
+against one member): a thousand simulated agents' leases on two cores ended under the difference.
 """
 
 from __future__ import annotations
@@ -44,9 +44,11 @@ class Member:
     and each read of a call. :attr:`headers` go with every call and stream (the auth token)."""
 
     def __init__(self, host: str, port: int, tls: Tls | None, timeout: float) -> None:
-        self.host, self.port, self.tls, self.timeout = host, port, tls, timeout
+        self.host, self.port, self.tls = host, port, tls
         self.headers: dict[str, str] = {"Content-Type": "application/json"}
         self._pool = self._new_pool(KEPT_CONNECTIONS)
+        self._call_timeout = urllib3.Timeout(connect=timeout, read=timeout)
+        self._stream_timeout = urllib3.Timeout(connect=timeout, read=None)
 
     def _new_pool(self, size: int) -> urllib3.HTTPConnectionPool:
         if self.tls is None:
@@ -63,7 +65,7 @@ class Member:
         try:
             answer = self._pool.urlopen("POST", f"/v3/{path}", body=json.dumps(body).encode(), headers=self.headers,
                                         retries=False, redirect=False, decode_content=False,
-                                        timeout=urllib3.Timeout(connect=self.timeout, read=self.timeout))
+                                        timeout=self._call_timeout)
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             raise ConnectionError(type(exc).__name__) from None
         if answer.status in UNAVAILABLE:
@@ -79,7 +81,7 @@ class Member:
         try:
             answer = pool.urlopen("POST", f"/v3/{path}", body=json.dumps(body).encode(), headers=self.headers,
                                   retries=False, redirect=False, preload_content=False, decode_content=False,
-                                  timeout=urllib3.Timeout(connect=self.timeout, read=None))
+                                  timeout=self._stream_timeout)
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             pool.close()
             raise ConnectionError(type(exc).__name__) from None
