@@ -93,9 +93,6 @@ class EtcdKeyValue:
         self._interrupted = threading.Event()
         self._watches = Watches()
         self._kept = Watches()  # read_watched's: watches that keep a few keys known (a leader's lease)
-        if options.user:
-            for member in self._members:
-                self._authenticate(member)
 
     @property
     def member_in_use(self) -> int:
@@ -141,8 +138,8 @@ class EtcdKeyValue:
         raise EtcdUnreachable(f"no etcd endpoint answered ({'; '.join(failures)})")
 
     def _post(self, member: Member, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """One call; a refused token is renewed once; any other refusal is EtcdUnavailable. A member with no
-        token yet (down when this client started) is asked for one first."""
+        """One call; a refused token is renewed once; any other refusal is EtcdUnavailable. With a user name, a
+        member is asked for a token before the first call to it (only the members a client uses are asked)."""
         if self.options.user and "Authorization" not in member.headers:
             self._authenticate(member)
         for attempt in range(2):
