@@ -2,131 +2,24 @@
 
 from __future__ import annotations
 
-import ipaddress
 import math
 import os
-import shutil
 import signal
 import socket
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ftrun import flag_values
 from ftrun.errors import UsageError
 from ftrun.health.policy import DEFAULT_TABLE, load_table
 from ftrun.health.signals import Action
-from ftrun.launcher.hosts import (MAX_WORKERS_PER_NODE, Host, is_local, listen_address, parse_host_list,
-                                  read_hostfile)
+from ftrun.launcher.hosts import MAX_WORKERS_PER_NODE, Host, is_local, listen_address
 from ftrun.launcher.slurm import slurm_node
 from ftrun.store import etcd_config
-from ftrun.store.auth import SECRET_FILE_VARIABLE, new_secret, read_secret_file
+from ftrun.store.auth import new_secret
 from ftrun.store.etcd_config import EtcdOptions
 from ftrun.store.leases import fence_margin
-
-def parse_std_spec(spec: str, flag: str, nproc: int) -> dict[int, int]:
-    """Parse torchrun's --redirects/--tee value into {local_rank: stream mask}.
-
-    ``"3"`` applies mask 3 (stdout and stderr) to every local rank; ``"0:1,1:2"`` gives local rank 0 its
-    stdout and local rank 1 its stderr.
-    """
-    spec = spec.strip() or "0"
-    try:
-        if ":" not in spec:
-            mask = int(spec)
-            masks = {rank: mask for rank in range(nproc)}
-        else:
-            masks = {}
-            for part in spec.split(","):
-                rank, mask = part.split(":")
-                masks[int(rank)] = int(mask)
-    except ValueError:
-        raise UsageError(f"{flag} {spec!r} is not valid: use 0-3, or LOCAL_RANK:0-3 pairs like 0:1,1:2") from None
-    if any(not 0 <= mask <= 3 for mask in masks.values()):
-        raise UsageError(f"{flag} {spec!r} is not valid: each stream mask is 0 (none), 1 (stdout), 2 (stderr) or 3 (both)")
-    return masks
-
-
-def kept_off_console(redirects: dict[int, int], tee: dict[int, int]) -> dict[int, int]:
-    """Streams kept off the console, by local rank: those --redirects names, unless --tee names them too
-    (torchrun tees a stream that is both redirected and tee'd)."""
-    return {rank: mask & ~tee.get(rank, 0) for rank, mask in redirects.items()}
-
-
-def prefix_template(given: str | None, multinode: bool) -> str:
-    """The console prefix of worker lines: --log-line-prefix-template as given, else
-    TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE (as torchrun reads it), else ftrun's default, ``[default0]: ``
-    (``[host:0]: `` across nodes). The prefix is printed as is: an empty template means no prefix."""
-    if given is None:
-        given = os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE")
-    if given is not None:
-        return given
-    return "[${hostname}:${rank}]: " if multinode else "[${role_name}${rank}]: "
-
-
-def parse_nnodes(value: str) -> tuple[int, int]:
-    """Parse torchrun's --nnodes ``N`` or ``MIN:MAX``."""
-    try:
-        parts = [int(p) for p in value.split(":")]
-    except ValueError:
-        parts = []
-    if len(parts) == 1:
-        parts = parts * 2
-    if len(parts) != 2 or not 1 <= parts[0] <= parts[1]:
-        raise UsageError(f"--nnodes {value!r} is not valid: use N or MIN:MAX with 1 <= MIN <= MAX")
-    return parts[0], parts[1]
-
-
-def visible_gpu_count() -> int:
-    """Count the GPUs this process may use, through NVML and CUDA_VISIBLE_DEVICES; 0 without NVML."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            return int(pynvml.nvmlDeviceGetCount())
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # NVML missing, no driver, no GPU: all mean "no GPU here"
-        return 0
-
-
-def resolve_nproc(value: str | None) -> int:
-    """Turn --nproc-per-node (int, gpu, cpu, auto, or unset) into a worker count.
-
-    Unset means one worker per visible GPU, else 1 -- ftrun's one deliberate departure from torchrun,
-    whose default is 1.
-    """
-    if value is None or value == "":
-        return visible_gpu_count() or 1
-    if value == "cpu":
-        return os.cpu_count() or 1
-    if value in ("gpu", "auto"):
-        gpus = visible_gpu_count()
-        if gpus:
-            return gpus
-        if value == "gpu":
-            raise UsageError("--nproc-per-node gpu: no GPU is visible here; give a number, or 'cpu'")
-        return os.cpu_count() or 1
-    if not value.isascii() or not value.isdigit() or len(value) > 6:
-        raise UsageError(f"--nproc-per-node {value[:20]!r} is not valid: use a number, 'gpu', 'cpu' or 'auto'")
-    nproc = int(value)
-    if not 1 <= nproc <= MAX_WORKERS_PER_NODE:
-        raise UsageError(f"--nproc-per-node {nproc}: give between 1 and {MAX_WORKERS_PER_NODE} workers per node")
-    return nproc
-
-
-def parse_signals(value: str) -> list[signal.Signals]:
-    """Parse --signals-to-handle ``SIGTERM,SIGINT`` into signal numbers."""
-    result = []
-    for name in filter(None, (n.strip() for n in value.split(","))):
-        try:
-            result.append(signal.Signals[name if name.startswith("SIG") else f"SIG{name}"])
-        except KeyError:
-            raise UsageError(f"--signals-to-handle: {name!r} is not a signal name (e.g. SIGTERM,SIGUSR1)") from None
-    return result
 
 
 @dataclass(frozen=True)
@@ -227,28 +120,6 @@ class LaunchConfig:
         return self.node_rank >= self.min_nodes
 
 
-def _entrypoint(script: str, script_args: list[str], module: bool, no_python: bool, run_path: bool) -> list[str]:
-    """The worker command line, as torchrun builds it (python -u, -m, --no-python, --run-path)."""
-    import sys
-
-    if module and no_python:
-        raise UsageError("-m/--module and --no-python cannot be combined")
-    if run_path:
-        if not Path(script).is_file():
-            raise UsageError(f"script {script!r} not found: give the path of an existing file")
-        runner = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
-        return [sys.executable, "-u", "-c", runner, os.path.abspath(script), *script_args]
-    if module:
-        return [sys.executable, "-u", "-m", script, *script_args]
-    if no_python:
-        if shutil.which(script) is None:
-            raise UsageError(f"--no-python: {script!r} is not an executable file or a command on PATH")
-        return [script, *script_args]
-    if not Path(script).is_file():
-        raise UsageError(f"script {script!r} not found: give the path of an existing file (or use -m for a module)")
-    return [sys.executable, "-u", script, *script_args]
-
-
 def _store_endpoint(
     rdzv_backend: str, rdzv_endpoint: str, master_addr: str, master_port: int | None, standalone: bool
 ) -> tuple[Endpoint, str]:
@@ -308,8 +179,8 @@ def build_config(
     for flag, value in unsupported.items():
         if value:
             raise UsageError(f"{flag} is not supported by ftrun; remove it (ftrun has no equivalent yet)")
-    min_nodes, max_nodes = parse_nnodes(nnodes)
-    hosts = _hosts(hostfile, host_list, nnodes=max_nodes, node_rank=node_rank)
+    min_nodes, max_nodes = flag_values.parse_nnodes(nnodes)
+    hosts = flag_values.launch_hosts(hostfile, host_list, nnodes=max_nodes, node_rank=node_rank)
     if hosts is not None:
         min_nodes = max_nodes = len(hosts)
     slurm = slurm_node(os.environ) if max_nodes > 1 and hosts is None else None
@@ -331,17 +202,17 @@ def build_config(
         raise UsageError("--max-restarts must be 0 or more")
     if not 0 < monitor_interval < math.inf:
         raise UsageError(f"--monitor-interval must be a positive number of seconds, not {monitor_interval}")
-    shutdown_timeout = _shutdown_timeout(shutdown_timeout)
-    conf = parse_rdzv_conf(rdzv_conf)
-    bind, node_start_timeout = conf.get("bind"), _join_timeout(conf)
+    shutdown_timeout = flag_values.shutdown_timeout(shutdown_timeout)
+    conf = flag_values.parse_rdzv_conf(rdzv_conf)
+    bind, node_start_timeout = conf.get("bind"), flag_values.join_timeout(conf, LaunchConfig.node_start_timeout)
     if master_port is not None and not 0 <= master_port <= 65535:
         raise UsageError(f"--master-port {master_port}: a port is between 1 and 65535 (0: pick a free one)")
-    nproc = resolve_nproc(nproc_per_node)
+    nproc = flag_values.resolve_nproc(nproc_per_node)
     if standalone and max_nodes > 1:
         raise UsageError("--standalone is for one node: remove it, or --nnodes/--hostfile")
     etcd = None
     if rdzv_backend in etcd_config.BACKENDS:
-        etcd = _etcd(rdzv_endpoint, rdzv_id, rdzv_conf, multinode=max_nodes > 1 and hosts is None)
+        etcd = flag_values.etcd_backend(rdzv_endpoint, rdzv_id, rdzv_conf, multinode=max_nodes > 1 and hosts is None)
         # the process groups' store is node 0's (as with static): on a free port unless --master-port says
         rdzv_backend, rdzv_endpoint = "static", ""
         if max_nodes > 1 and hosts is None:
@@ -367,14 +238,9 @@ def build_config(
     # this process hosts the store: it listens (with etcd and --hostfile, node 0's agent does, on its host)
     serves_store = (hosts is not None and etcd is None) or (hosts is None and node_rank == 0)
     store_listen = bind or (listen_address(store.host, multinode) if serves_store else "")
-    ranks_filter = None
-    if local_ranks_filter:
-        try:
-            ranks_filter = {int(r) for r in local_ranks_filter.split(",")}
-        except ValueError:
-            raise UsageError(f"--local-ranks-filter {local_ranks_filter!r} is not valid: use ranks like 0,1,2") from None
-    log_path = _writable_log_dir(log_dir) if log_dir else None
-    tee_masks = parse_std_spec(tee, "--tee", max(node_sizes, default=nproc))
+    ranks_filter = flag_values.parse_ranks_filter(local_ranks_filter)
+    log_path = flag_values.writable_log_dir(log_dir) if log_dir else None
+    tee_masks = flag_values.parse_std_spec(tee, "--tee", max(node_sizes, default=nproc))
     if not 0 <= recovery.spares <= MAX_WORKERS_PER_NODE - max(node_sizes, default=nproc):
         raise UsageError(f"--spares {recovery.spares}: give 0 or more, and at most {MAX_WORKERS_PER_NODE} workers "
                          "per node with the training workers")
@@ -397,9 +263,9 @@ def build_config(
         xid_table = load_table(recovery.xid_policy) if recovery.xid_policy else dict(DEFAULT_TABLE)
     except UsageError as exc:
         raise UsageError(f"--xid-policy: {exc}") from None
-    resume_dir = _resume_dir(resume_from) if resume_from else None
+    resume_dir = flag_values.resume_dir(resume_from) if resume_from else None
     return LaunchConfig(
-        command=_entrypoint(script, script_args, module, no_python, run_path),
+        command=flag_values.worker_command(script, script_args, module, no_python, run_path),
         script=script,
         script_args=list(script_args),
         nproc_per_node=nproc,
@@ -414,20 +280,21 @@ def build_config(
         monitor_interval=monitor_interval,
         role=role,
         log_dir=log_path,
-        redirects=kept_off_console(parse_std_spec(redirects, "--redirects", max(node_sizes, default=nproc)),
-                                   tee_masks),
+        redirects=flag_values.kept_off_console(
+            flag_values.parse_std_spec(redirects, "--redirects", max(node_sizes, default=nproc)), tee_masks),
         tee=tee_masks,
         local_ranks_filter=ranks_filter,
-        log_line_prefix_template=prefix_template(log_line_prefix_template, multinode=max_nodes > 1 or bool(hosts)),
+        log_line_prefix_template=flag_values.prefix_template(log_line_prefix_template,
+                                                             multinode=max_nodes > 1 or bool(hosts)),
         local_addr=local_addr,
-        signals_to_handle=parse_signals(signals_to_handle),
+        signals_to_handle=flag_values.parse_signals(signals_to_handle),
         shutdown_timeout=shutdown_timeout,
         virtual_local_rank=virtual_local_rank,
         recovery=recovery,
         node_sizes=node_sizes,
         host_store=hosts is None and node_rank == 0,
         store_listen=store_listen,
-        secret=_secret(scheduled=max_nodes > 1 and hosts is None),
+        secret=flag_values.run_secret(scheduled=max_nodes > 1 and hosts is None),
         node_timeout=node_timeout,
         node_start_timeout=node_start_timeout,
         metrics_port=metrics_port,
@@ -439,110 +306,3 @@ def build_config(
     )
 
 
-def _hosts(hostfile: str | None, host_list: str | None, *, nnodes: int, node_rank: int | None) -> list[Host] | None:
-    """The hosts of a --hostfile / -H launch, or None for a launch of this node only."""
-    if hostfile is not None and host_list is not None:
-        raise UsageError("--hostfile and -H/--hosts both list hosts: give one of them")
-    if hostfile is None and host_list is None:
-        return None
-    if nnodes > 1 or node_rank is not None:
-        raise UsageError("--hostfile/-H starts every node from here: remove --nnodes and --node-rank")
-    return read_hostfile(hostfile) if hostfile is not None else parse_host_list(host_list)
-
-
-def _etcd(endpoints: str, rdzv_id: str, rdzv_conf: str, *, multinode: bool) -> EtcdOptions:
-    """The etcd backend's options; a job without a --rdzv-id gets a run id of its own, but for nodes started
-    one by one (``multinode``), which must all name the same."""
-    if not endpoints:
-        raise UsageError("--rdzv-backend etcd needs the cluster's --rdzv-endpoint h1:2379[,h2:2379,...]")
-    if rdzv_id == "none" and multinode:
-        raise UsageError("--rdzv-backend etcd: give every node the same --rdzv-id (the job's keys in etcd are "
-                         "under it)")
-    run_id = str(uuid.uuid4()) if rdzv_id == "none" else rdzv_id
-    if not run_id.replace("-", "").replace("_", "").replace(".", "").isalnum() or len(run_id) > 128:
-        raise UsageError(f"--rdzv-id {run_id[:40]!r}: with etcd, use letters, digits, '-', '_' and '.' (at most "
-                         "128)")
-    return etcd_config.etcd_options(endpoints, run_id, parse_rdzv_conf(rdzv_conf))
-
-
-def parse_rdzv_conf(text: str) -> dict[str, str]:
-    """--rdzv-conf ``KEY=VALUE,...``. ftrun reads ``bind``: the address the store listens on, given as an IP
-    address (``0.0.0.0`` or ``::`` for every interface), ``join_timeout`` (torchrun's: the seconds the nodes
-    the job starts with have to arrive, :func:`_join_timeout`), and with etcd the keys of
-    :data:`ftrun.store.etcd.CONF_KEYS`; torchrun's other keys are accepted and unused."""
-    conf = {}
-    for item in filter(None, text.split(",")):
-        key, equals, value = item.partition("=")
-        if not equals or not key.strip():
-            raise UsageError(f"--rdzv-conf {text!r} is not valid: use KEY=VALUE pairs separated by commas")
-        conf[key.strip()] = value.strip()
-    bind = conf.get("bind")
-    if bind is not None:
-        try:
-            conf["bind"] = str(ipaddress.ip_address(bind.strip("[]")))
-        except ValueError:
-            raise UsageError(f"--rdzv-conf bind={bind}: give an IP address of this machine, or 0.0.0.0 (or ::) "
-                             "to listen on every interface") from None
-    return conf
-
-
-def _join_timeout(conf: dict[str, str]) -> float:
-    """--rdzv-conf join_timeout (torchrun's key): the seconds the nodes the job starts with have to arrive."""
-    text = conf.get("join_timeout")
-    if text is None:
-        return LaunchConfig.node_start_timeout
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = math.nan
-    if not 0 < seconds < math.inf:
-        raise UsageError(f"--rdzv-conf join_timeout={text[:20]}: give the seconds the nodes have to arrive")
-    return seconds
-
-
-def _shutdown_timeout(seconds: float | None) -> float:
-    """--shutdown-timeout, or torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT (30 s when neither is set)."""
-    if seconds is None:
-        text = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
-        try:
-            seconds = float(text)
-        except ValueError:
-            raise UsageError(f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={text[:20]!r}: give a number of seconds") from None
-    if not 0 <= seconds < math.inf:
-        raise UsageError(f"--shutdown-timeout must be 0 or more seconds, not {seconds}")
-    return seconds
-
-
-def _secret(scheduled: bool) -> str:
-    """The run's secret: from ``FTRUN_SECRET_FILE`` when it is set, else a fresh one. Nodes started one by one
-    (by a scheduler) must all use the same secret, so they need the file."""
-    path = os.environ.get(SECRET_FILE_VARIABLE)
-    if path:
-        return read_secret_file(path, SECRET_FILE_VARIABLE)
-    if scheduled:
-        raise UsageError(f"the nodes of a job started one by one must share a secret: set {SECRET_FILE_VARIABLE} "
-                         "on every node to a file only you can read (e.g. `openssl rand -hex 32 > ~/.ftrun-secret; "
-                         "chmod 600 ~/.ftrun-secret`), or start every node from here with --hostfile")
-    return new_secret()
-
-
-def _writable_log_dir(log_dir: str) -> Path:
-    """Create --log-dir if needed and check that it can be written."""
-    path = Path(log_dir)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"--log-dir {log_dir}: cannot create it ({exc.strerror}); pick a writable directory") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise UsageError(f"--log-dir {log_dir}: not writable; pick a writable directory")
-    return path
-
-
-def _resume_dir(run_dir: str) -> Path:
-    """Check that --resume-from names a run directory holding saved state; its absolute path."""
-    path = Path(run_dir).absolute()
-    if not (path / "rescue").is_dir() or not any((path / "rescue").glob("*.pt")):
-        raise UsageError(f"--resume-from {run_dir}: no saved state there (no {path / 'rescue'}/*.pt): give the "
-                         "run directory of a launch that saved its state, as its 'the state of step N is saved' "
-                         "line names it")
-    return path

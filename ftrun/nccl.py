@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ftrun.config import visible_gpu_count
+from ftrun.flag_values import visible_gpu_count
 
 NCCL_PACKAGES = ("nvidia-nccl-cu11", "nvidia-nccl-cu12", "nvidia-nccl-cu13")
 """The NCCL wheels of torch's CUDA builds, by CUDA major version."""
