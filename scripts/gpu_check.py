@@ -7,9 +7,12 @@ Run by scripts/gpu_check.sh on a machine with a GPU. World size 1 (NCCL allows o
    is still being torn down, collectives again, the stale one released once its abort is done;
 2. the step path on CUDA tensors: stock DDP with ftrun's comm hook (1 MB buckets) and the loss summed in
    ``finish``, against the gradients and loss of the same model without DDP;
-3. the transfer's manifest of a CUDA model and Adam state: which tensors travel on the data plane, the
+3. the stream order of the step's results: a collective that writes its result late on a stream of its own
+   and marks its future done at once (as NCCL does), read through the comm hook's future as DDP reads a bucket
+   and through the step's wait as ``finish`` reads the loss: both must see the result, not what was there;
+4. the transfer's manifest of a CUDA model and Adam state: which tensors travel on the data plane, the
    receiver's in-place targets on the GPU;
-4. the comm hook's cost per bucket call on CUDA tensors and NCCL, against a minimal Python hook
+5. the comm hook's cost per bucket call on CUDA tensors and NCCL, against a minimal Python hook
    (scripts/bench_recovery.py's measurement): what stands between DDP and each all-reduce's launch.
 
 Prints one line per check, the torch and NCCL versions and the backend class "nccl" resolved to.
@@ -22,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -105,6 +109,43 @@ def check_step() -> None:
           f"plane", flush=True)
 
 
+class LateGroup:
+    """A world of one whose all-reduce adds 1 to the tensor after the GPU has slept ~50 ms, on a stream of its
+    own, and whose work's future is done at once, its event on that stream: NCCL's way, made slow enough that a
+    reader whose stream does not wait for the collective's reads the tensor as it was."""
+
+    SLEEP_CYCLES = 100_000_000
+
+    def __init__(self) -> None:
+        self.stream = torch.cuda.Stream()
+
+    def allreduce(self, tensors: list[torch.Tensor]) -> SimpleNamespace:
+        (tensor,) = tensors
+        future: torch.futures.Future = torch.futures.Future(devices=[tensor.device])
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            torch.cuda._sleep(self.SLEEP_CYCLES)
+            tensor.add_(1)
+            future.set_result([tensor])
+        return SimpleNamespace(get_future=lambda: future)
+
+
+def check_stream_order() -> None:
+    group = LateGroup()
+    collectives = StepCollectives(threading.Condition(), None)
+    collectives.begin()
+    bucket = torch.zeros(1 << 20, device="cuda")
+    bucket_seen = collectives.hook(group, SimpleNamespace(buffer=lambda: bucket)).wait().clone()  # DDP's read
+    loss = torch.zeros(1, device="cuda")
+    collectives.wait(group.allreduce([loss]))
+    loss_seen = loss.clone()  # finish()'s read of the summed loss
+    torch.cuda.synchronize()
+    assert float(bucket_seen.min()) == 1.0, "a bucket was read through the hook's future before its all-reduce ran"
+    assert float(loss_seen) == 1.0, "the loss was read after the step's wait before its all-reduce ran"
+    print("stream order: a late collective's bucket and loss are read after it, through the hook's future and "
+          "the step's wait", flush=True)
+
+
 def check_manifest() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.Linear(2048, 16)).cuda()
     optimizer = torch.optim.Adam(model.parameters())
@@ -130,6 +171,7 @@ def main() -> None:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     planes = check_planes(store)
     check_step()
+    check_stream_order()
     check_manifest()
     planes.destroy()
     for name, costs in hook_costs(100, "nccl", "cuda").items():

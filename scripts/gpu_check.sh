@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# GPU check, everything one GPU can show: real NVML through ftrun's health monitor; ftrun's two planes on NCCL
-# (world size 1), its comm hook and commit on CUDA tensors, its state manifest of a CUDA model and the hook's
-# cost per bucket (scripts/gpu_check.py); both examples under ftrun on that GPU; then four workers sharing the
-# GPU, one of them SIGKILLed and recovered in place, and again with --respawn, where the replacement receives
-# the CUDA state from a peer (scripts/gpu_drill.py). Needs a GPU and ftrun's
-# dependencies (`pip install -e '.[gpu]'`, or torch, typer, rich, psutil and nvidia-ml-py already there);
-# prints what it measured and ends with "gpu check: all passed".
+# GPU check, everything one GPU can show: real NVML through ftrun's health monitor; ftrun's two planes on NCCL (world
+# size 1), its comm hook and commit on CUDA tensors and the stream order of their results, its state manifest of a
+# CUDA model and the hook's cost per bucket (scripts/gpu_check.py); both examples under ftrun on that GPU; then four
+# workers sharing the GPU, one of them SIGKILLed and recovered in place, and again with --respawn, where the
+# replacement receives the CUDA state from a peer (scripts/gpu_drill.py). Needs a GPU and ftrun's dependencies (`pip
+# install -e '.[gpu]'`, or torch, typer, rich, psutil and nvidia-ml-py already there); prints what it measured and
+# ends with "gpu check: all passed".
 #
 # What one GPU cannot show: anything with two NCCL ranks (NCCL takes one rank per GPU; the drill's workers
 # share the GPU on Gloo for CUDA tensors, whose point-to-point goes through host memory). So not the abort of

@@ -53,7 +53,7 @@ class StepCollectives:
     def hook(self, group, bucket):  # noqa: ANN001, ANN201 -- DDP rejects string annotations here
         """DDP comm hook: sum the bucket over ``group``."""
         buffer = bucket.buffer()
-        result: torch.futures.Future = torch.futures.Future()
+        result: torch.futures.Future = torch.futures.Future(devices=future_devices(buffer.device))
         with self.cond:  # issue and register in one step, so a new plan cannot slip between them
             now = self.poisoned  # complete the future at once: nothing is issued
             epoch = self.epoch
@@ -186,7 +186,8 @@ class StepCollectives:
             if not future.done():
                 raise Superseded("a newer generation was announced") if self.poisoned else CollectiveFailed("timeout")
         try:
-            future.value()
+            future.wait()  # done already; on a GPU it also puts this thread's stream after the collective's,
+            # which value() does not: the loss summed on NCCL's stream would be read before the sum was made
         except Exception as exc:
             raise CollectiveFailed(str(exc)) from exc
 
@@ -194,6 +195,17 @@ class StepCollectives:
         with self.cond:
             self._callbacks -= 1
             self.cond.notify_all()
+
+
+def future_devices(device: torch.device) -> list[torch.device]:
+    """The devices a future that hands on a tensor of ``device`` must be made with: that one, unless it is the
+    CPU. A future made without them (``torch.futures.Future()``) holds a CUDA tensor with no CUDA event: whoever
+    waits on it (DDP's reducer, at the end of ``backward()``) reads the tensor on its own stream at once, before
+    the all-reduce writing it on NCCL's stream has run (NCCL marks its work's future done when the kernel is
+    queued). Made with the device, the future records an event where it is set, inside the collective's
+    callback, whose streams torch has made wait for the collective, and a waiter's stream waits for that event
+    (``ivalue::Future::markCompleted``, whose FIXME names this silent mistake; ``invokeCallback``)."""
+    return [] if device.type == "cpu" else [device]
 
 
 def first_line(error: BaseException) -> str:
