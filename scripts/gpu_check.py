@@ -124,7 +124,12 @@ class LateGroup:
         future: torch.futures.Future = torch.futures.Future(devices=[tensor.device])
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
-            torch.cuda._sleep(self.SLEEP_CYCLES)
+            if hasattr(torch.cuda, "_sleep"):
+                torch.cuda._sleep(self.SLEEP_CYCLES)
+            else:  # torch's test helper gone: as long a wait made of matrix products (4096^3 x 2 flops each)
+                square = torch.ones(4096, 4096, device=tensor.device)
+                for _ in range(50):
+                    square = square @ square / 4096
             tensor.add_(1)
             future.set_result([tensor])
         return SimpleNamespace(get_future=lambda: future)
