@@ -74,6 +74,18 @@ def visible_gpu_count() -> int:
         return 0
 
 
+def spares_refusal(nproc: int, spares: int, gpus: int) -> str | None:
+    """Why ``spares`` spare workers cannot start beside ``nproc`` training workers on a node of ``gpus`` GPUs,
+    or None. Where the workers have a GPU each, a spare needs one of its own: its local rank would wrap around
+    onto a training worker's GPU (two ranks of one NCCL communicator on one device, which NCCL refuses), and the
+    lost worker's GPU would stay idle. A node with fewer GPUs than workers (or none) shares them already."""
+    if spares and nproc <= gpus < nproc + spares:
+        return (f"--spares {spares}: this node has {gpus} GPUs and {nproc} train on them, and a spare needs a GPU of "
+                f"its own: give at most {gpus - nproc} spares or a lower --nproc-per-node, or use --respawn (a lost "
+                "worker restarts on its GPU)")
+    return None
+
+
 def parse_std_spec(spec: str, flag: str, nproc: int) -> dict[int, int]:
     """Parse torchrun's --redirects/--tee value into {local_rank: stream mask}.
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import EXAMPLE
+from ftrun import flag_values
 
 HUGE = "9" * 4300  # past the 4,300 digits Python's int() takes: parsing it must not raise
 
@@ -68,6 +69,26 @@ def test_bad_launch_flags_are_one_line_and_exit_2(run_ftrun, tmp_path, args, mes
 def test_bad_environment_is_one_line_and_exit_2(run_ftrun, env, message):
     result = run_ftrun(EXAMPLE, env=env)
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+
+
+def test_spares_that_would_share_the_training_workers_gpus_are_one_line_and_exit_2(run_ftrun):
+    result = run_ftrun("--nproc-per-node", 2, "--spares", 1, EXAMPLE, env={"CUDA_VISIBLE_DEVICES": "0,1"})
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "--spares 1: this node has 2 GPUs and 2 train on them, and a spare needs a GPU of its own" \
+        in result.stderr, result.stderr
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("nproc, spares, gpus, refused", [
+    (8, 1, 8, True),  # every GPU trains: a spare would wrap onto GPU 0
+    (8, 2, 9, True),  # one GPU left, two spares
+    (7, 1, 8, False),  # the spare has GPU 7
+    (4, 2, 1, False),  # the workers share one GPU already (cuda:gloo drills, CPU training on a GPU machine)
+    (4, 1, 0, False),  # no GPU
+    (8, 0, 8, False),
+])
+def test_a_spare_needs_a_gpu_of_its_own_where_each_worker_has_one(nproc, spares, gpus, refused):
+    assert (flag_values.spares_refusal(nproc, spares, gpus) is not None) == refused
 
 
 @pytest.mark.parametrize("args, message", [
