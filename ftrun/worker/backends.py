@@ -71,6 +71,27 @@ def init_options(backend: str) -> dict[str, Any]:
     return {}
 
 
+def async_error(group: dist.ProcessGroup, backend: str) -> str | None:
+    """The failure the watchdog of ``group``'s backend recorded, in a line, or None (none, or a torch that
+    does not tell: ``Backend.get_error`` is feature-detected).
+
+    NCCL marks a collective's future done when its kernel is queued, so a failure that comes later (an
+    asynchronous NCCL error: a link gone with every process alive, or a timeout) reaches no future. The
+    watchdog records it (``ProcessGroupNCCL::getError``: COMM_ERROR, TIMEOUT, or REMOTE_ERROR from a peer's
+    watchdog) before it aborts the communicator, after which the kernel under it ends, its sum not a sum: once
+    a step's kernels have ended, a failure among them is known here. Gloo's errors reach its futures; it
+    answers SUCCESS."""
+    kind = "cuda" if "cuda" in served(backend) and torch.cuda.is_available() else "cpu"
+    get_backend = getattr(group, "_get_backend", None)
+    try:
+        get_error = getattr(get_backend(torch.device(kind)), "get_error", None) if get_backend else None
+        error = get_error() if get_error is not None else None
+    except RuntimeError:  # no backend for the device (a group being replaced): nothing to tell
+        return None
+    name = getattr(error, "name", "SUCCESS")
+    return None if name == "SUCCESS" else f"the data plane's {backend} backend reported {name}"
+
+
 ABORTING = ("nccl",)
 """The backends whose ``abort()`` fails the collectives in flight (Gloo's does nothing)."""
 

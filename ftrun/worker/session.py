@@ -209,7 +209,7 @@ class Session:
         Returns None when the step was abandoned (a peer was lost): nothing was applied, the gradients
         are dropped and :meth:`steps` yields the same step again after recovery.
         """
-        ok, total = self.collectives.finish(loss, self._loss_group)
+        ok, total = self.collectives.finish(loss, self._loss_group, self._backend_error)
         if self.entered is not None:
             self.entered.left()
         if not ok:
@@ -231,6 +231,10 @@ class Session:
         """Start copying the sharded state of the committed step to the buddy, if this step is due."""
         if self.redundancy is not None and self.redundancy.due(self.committed_step):
             self.redundancy.refresh(self.committed_step, self.planes.control)
+
+    def _backend_error(self) -> str | None:
+        """A failure the data plane's backend recorded in this step (NCCL's watchdog), under ftrun only."""
+        return backends.async_error(dist.group.WORLD, self.backend) if self.managed else None
 
     def _loss_group(self, loss: torch.Tensor) -> dist.ProcessGroup:
         """Where the step's loss is summed: the data plane if it takes the loss's device, else the control plane."""

@@ -55,18 +55,19 @@ class StepCollectives:
         buffer = bucket.buffer()
         result: torch.futures.Future = torch.futures.Future(devices=future_devices(buffer.device))
         with self.cond:  # issue and register in one step, so a new plan cannot slip between them
-            now = self.poisoned  # complete the future at once: nothing is issued
             epoch = self.epoch
             first, self._entered_epoch = self._entered_epoch != epoch, epoch
-            if now:
-                self.failed = True
+            try:
+                work = self._start(lambda: group.allreduce([buffer]))
+            except (Superseded, CollectiveFailed) as exc:  # complete the future at once: nothing was issued
+                work = None
+                self._failed("" if isinstance(exc, Superseded) else str(exc))
             else:
-                work = group.allreduce([buffer])
                 self._pending[result] = buffer
                 self._callbacks += 1
         if first and self._on_entered is not None:
             self._on_entered()
-        if now:
+        if work is None:
             result.set_result(buffer)
             return result
 
@@ -95,20 +96,26 @@ class StepCollectives:
         group = loss_group(slot)
         try:
             work = self.issue(lambda: group.allreduce([slot]))
-        except Superseded:
-            self.fail()
+        except (Superseded, CollectiveFailed) as exc:
+            self.fail(error="" if isinstance(exc, Superseded) else str(exc))
             return
         with self.cond:
             self._loss = (self.epoch, loss, slot, work)
 
-    def finish(self, loss: torch.Tensor | None, loss_group: Callable[[torch.Tensor], dist.ProcessGroup]) -> \
-            tuple[bool, float | None]:
+    def finish(self, loss: torch.Tensor | None, loss_group: Callable[[torch.Tensor], dist.ProcessGroup],
+               backend_error: Callable[[], str | None] = lambda: None) -> tuple[bool, float | None]:
         """Sum the step's loss over the ranks (on ``loss_group(loss)``) once ``backward()`` has all-reduced the
         buckets, unless :meth:`start_loss` started it. Returns whether every collective of the step
-        completed, and the summed loss."""
+        completed, and the summed loss.
+
+        Reading the summed loss waits (on a GPU) until the step's collectives have ended on the device; then
+        ``backend_error()`` says whether the data plane's backend recorded a failure meanwhile (NCCL's watchdog
+        records one before it aborts the communicator under a collective, whose future was done since it was
+        queued): the step fails then. Without a loss, only what was recorded by then is seen."""
         with self.cond:
             started, self._loss = self._loss, None
         loss_slot: torch.Tensor | None = None
+        total: float | None = None
         if loss is not None:
             try:
                 if started is not None and started[0] == self.epoch and started[1] is loss:
@@ -118,13 +125,15 @@ class StepCollectives:
                     group = loss_group(loss_slot)
                     work = self.issue(lambda: group.allreduce([loss_slot]))
                 self.wait(work)
+                total = float(loss_slot.item())
             except (CollectiveFailed, Superseded) as exc:
                 self.fail(error="" if isinstance(exc, Superseded) else first_line(exc))
+        error = backend_error()
+        if error:
+            self.fail(error=error)
         with self.cond:
             ok = not (self.poisoned or self.failed)
-        if not ok:
-            return False, None
-        return True, None if loss_slot is None else float(loss_slot.item())
+        return (True, total) if ok else (False, None)
 
     # ------------------------------------------------------------- abandoning
     def abandon(self) -> set[torch.futures.Future]:
@@ -168,11 +177,23 @@ class StepCollectives:
 
     # ---------------------------------------------------------------- issuing
     def issue(self, start: Callable[[], dist.Work]) -> dist.Work:
-        """Start a collective unless a newer generation was announced (then raise Superseded)."""
+        """Start a collective unless a newer generation was announced (then raise Superseded); CollectiveFailed
+        if the backend refuses to start it."""
         with self.cond:
-            if self.poisoned:
-                raise Superseded("a newer generation was announced")
+            return self._start(start)
+
+    def _start(self, start: Callable[[], dist.Work]) -> dist.Work:
+        """Under the lock: :meth:`issue`. NCCL refuses a collective on a communicator its watchdog aborted (after
+        an asynchronous NCCL error, a link that failed with every process alive): the step fails as with any
+        failed collective, where the error would have left ``backward()`` (from the comm hook) or ``commit``
+        and ended the worker. Only the backends' own errors (DistError): any other is a mistake in the call
+        (a tensor of a device the group does not take), which no recovery mends, and propagates."""
+        if self.poisoned:
+            raise Superseded("a newer generation was announced")
+        try:
             return start()
+        except dist.DistError as exc:
+            raise CollectiveFailed(first_line(exc)) from exc
 
     def wait(self, work: dist.Work, deadline: float | None = None) -> None:
         """Wait for ``work`` but give up as soon as a newer generation is announced or the deadline passes."""

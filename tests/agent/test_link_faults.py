@@ -6,6 +6,8 @@ the loss is the fault-free run's.
 
 from __future__ import annotations
 
+import json
+
 from runs import NPROC, check_steps
 
 
@@ -29,4 +31,23 @@ def test_a_reset_link_between_two_live_workers_re_forms_the_same_group(launch, b
         ("link", NPROC, NPROC, 0), why
     assert recovery["resumed_at_step"] == 5, why
     assert "ftrun: recovered from a link fault in" in run.stderr, why
+    check_steps(run, baseline, {})
+
+
+def test_a_failure_the_backend_records_after_the_step_fails_it_and_the_same_group_trains_on(launch, baseline):
+    """At step 5's commit, rank 2's data plane reports an asynchronous failure (as NCCL's watchdog records one,
+    while the collective's future was done since it was queued): the step is not applied there, the same four
+    workers re-form, rank 2 takes the committed state from a peer, and the loss is the fault-free run's."""
+    run = launch(faults="backend:5:2")
+    why = run.explain()
+    assert run.returncode == 0, why
+    starts = {e["uid"]: e["pid"] for e in run.of("worker_start")}
+    exits = {e["uid"]: (e["pid"], e["exitcode"]) for e in run.of("worker_exit")}
+    assert sorted(starts) == list(range(NPROC)) and exits == {uid: (pid, 0) for uid, pid in starts.items()}, why
+    assert not run.of("fault") and not run.of("recovery_failed") and not run.of("group_failure"), why
+    (link,) = run.of("link_fault")
+    assert link["action"] == "reform" and "reported COMM_ERROR" in json.dumps(link), why
+    (recovery,) = run.of("recovery")
+    assert (recovery["kind"], recovery["world_before"], recovery["world_after"], recovery["steps_lost"]) == \
+        ("link", NPROC, NPROC, 0), why
     check_steps(run, baseline, {})

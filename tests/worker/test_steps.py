@@ -10,11 +10,14 @@ checked to be made with that device; ``scripts/gpu_check.py`` checks the order i
 from __future__ import annotations
 
 import threading
+from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from ftrun.worker import steps
+from ftrun.worker import backends, steps
 from ftrun.worker.steps import CollectiveFailed, StepCollectives, future_devices
 
 
@@ -24,17 +27,20 @@ def test_a_future_handing_on_a_gpu_tensor_is_made_with_its_device():
     assert future_devices(torch.device("cuda", 1)) == [torch.device("cuda", 1)]
 
 
+class _OnGpu:
+    """A bucket's buffer that says it is on GPU 0 (all the hook asks of it before issuing its all-reduce)."""
+
+    device = torch.device("cuda", 0)
+
+
 class _Bucket:
-    """DDP's GradBucket, as the hook uses it: a buffer, here one that says it is on GPU 0."""
+    """DDP's GradBucket, as the hook uses it: its buffer (by default a CPU tensor)."""
 
-    class Buffer:
-        device = torch.device("cuda", 0)
+    def __init__(self, buffer: object = None) -> None:
+        self._buffer = torch.zeros(4) if buffer is None else buffer
 
-    def buffer(self) -> Buffer:
+    def buffer(self) -> object:
         return self._buffer
-
-    def __init__(self) -> None:
-        self._buffer = self.Buffer()
 
 
 class _Done:
@@ -52,11 +58,17 @@ class _Done:
 
 
 class _Group:
-    def __init__(self, error: str | None = None) -> None:
+    """A data group: each all-reduce completes (failed with ``error``), or is refused as NCCL refuses one on a
+    communicator its watchdog aborted (``refuse``: a DistBackendError, or another error)."""
+
+    def __init__(self, error: str | None = None, refuse: Exception | None = None) -> None:
         self.error = error
+        self.refuse = refuse
         self.issued = 0
 
     def allreduce(self, tensors: list) -> _Done:
+        if self.refuse is not None:
+            raise self.refuse
         self.issued += 1
         return _Done(self.error)
 
@@ -73,7 +85,7 @@ def test_the_hooks_future_for_a_gpu_bucket_carries_the_gpu(monkeypatch):
     monkeypatch.setattr(steps.torch.futures, "Future", Recording)
     collectives = StepCollectives(threading.Condition(), None)
     collectives.begin()
-    bucket = _Bucket()
+    bucket = _Bucket(_OnGpu())
     result = collectives.hook(_Group(), bucket)
     assert made[0] == [torch.device("cuda", 0)]  # the hook's own (the collective's stand-in makes the next)
     assert result.done() and result.value() is bucket.buffer()
@@ -89,3 +101,82 @@ def test_a_failed_collective_fails_the_step_and_its_wait():
     assert collectives.failed and collectives.error == "connection closed by peer"
     with pytest.raises(CollectiveFailed, match="connection closed by peer"):
         collectives.wait(group.allreduce([]))
+
+
+ABORTED = "NCCL communicator was aborted on rank 1. Original reason for failure was: NCCL error: remote process exited"
+
+
+@pytest.mark.fast
+def test_a_collective_the_backend_refuses_fails_the_step_instead_of_leaving_backward():
+    collectives = StepCollectives(threading.Condition(), None)
+    collectives.begin()
+    group = _Group(refuse=dist.DistBackendError(ABORTED + "\n(C++ frames)"))
+    bucket = _Bucket()
+    result = collectives.hook(group, bucket)
+    assert result.done() and result.value() is bucket.buffer()
+    assert collectives.failed and collectives.error == ABORTED
+    collectives.start_loss(torch.ones(()), lambda _: group)  # the loss sum: the step fails, nothing raises
+    assert collectives.finish(None, lambda _: group) == (False, None)
+    with pytest.raises(CollectiveFailed, match="was aborted"):
+        collectives.issue(lambda: group.allreduce([]))
+
+
+@pytest.mark.fast
+def test_a_collective_called_wrongly_is_not_taken_for_a_failed_step():
+    collectives = StepCollectives(threading.Condition(), None)
+    collectives.begin()
+    wrong = _Group(refuse=RuntimeError("No backend type associated with device type cpu"))
+    with pytest.raises(RuntimeError, match="No backend type"):
+        collectives.hook(wrong, _Bucket())
+    with pytest.raises(RuntimeError, match="No backend type"):
+        collectives.issue(lambda: wrong.allreduce([]))
+
+
+@pytest.mark.fast
+def test_a_failure_the_backend_recorded_fails_the_step_at_its_commit():
+    collectives = StepCollectives(threading.Condition(), None)
+    collectives.begin()
+    collectives.hook(_Group(), _Bucket())
+    assert collectives.finish(None, lambda _: _Group(), lambda: "the data plane's nccl backend reported TIMEOUT") \
+        == (False, None)
+    assert collectives.failed and collectives.error == "the data plane's nccl backend reported TIMEOUT"
+    collectives.begin()
+    collectives.hook(_Group(), _Bucket())
+    assert collectives.finish(None, lambda _: _Group(), lambda: None) == (True, None)
+
+
+ERROR_TYPE = getattr(torch._C._distributed_c10d, "ErrorType", None)  # what get_error answers, where torch has it
+
+
+class _Backend:
+    """NCCL's backend as its watchdog leaves it: ``get_error`` says what it recorded (torch's own values)."""
+
+    def __init__(self, name: str) -> None:
+        self.error = getattr(ERROR_TYPE, name) if ERROR_TYPE is not None else SimpleNamespace(name=name)
+
+    def get_error(self):  # noqa: ANN201
+        return self.error
+
+
+class _DataGroup:
+    def __init__(self, backend: _Backend) -> None:
+        self.backend = backend
+        self.asked: list[torch.device] = []
+
+    def _get_backend(self, device: torch.device) -> _Backend:
+        self.asked.append(device)
+        return self.backend
+
+
+@pytest.mark.fast
+def test_the_failure_a_backends_watchdog_recorded_is_read_in_a_line():
+    group = _DataGroup(_Backend("COMM_ERROR"))
+    assert backends.async_error(group, "gloo") == "the data plane's gloo backend reported COMM_ERROR"
+    assert group.asked == [torch.device("cpu")]  # no GPU here: the device the data plane takes
+    assert backends.async_error(_DataGroup(_Backend("SUCCESS")), "gloo") is None
+    store = dist.HashStore()
+    real = dist.ProcessGroup(store, 0, 1)  # a world of one, as init_process_group builds the default group
+    real._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO,
+                           dist.ProcessGroupGloo(store, 0, 1, timedelta(seconds=10)))
+    assert backends.async_error(real, "gloo") is None  # Gloo's errors reach its futures: it answers SUCCESS
+    assert backends.async_error(object(), "nccl") is None  # a torch whose groups do not tell

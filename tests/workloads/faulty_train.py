@@ -5,7 +5,9 @@ kill (SIGKILL itself before the step), exception (raise in the step), allreduce 
 gradient all-reduce: after the first bucket's all-reduce has started on every rank), recovery (SIGKILL itself
 while re-forming the group after the first fault; armed from the first step whatever STEP says, since the
 first fault's recovery may begin before this worker reaches STEP), reset (shut down every TCP connection
-between itself and one other worker, both alive: a link reset, no death), backward (SIGKILL itself in backward
+between itself and one other worker, both alive: a link reset, no death), backend (the data plane's backend
+reports an asynchronous failure at the step's commit, as NCCL's watchdog records one before it aborts a
+communicator under a collective whose future was done when queued: faked where ftrun reads it), backward (SIGKILL itself in backward
 before the first layer's gradients: with FSDP, between the layers' reduce-scatters), refresh (SIGKILL itself
 as it starts the copy of the state of committed step STEP to its buddy, once the copy of the step before is
 complete: that one is then the newest; sharded state only), copying (SIGKILL itself before the step, as kill,
@@ -33,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 import ftrun  # noqa: E402
 import train_ddp  # noqa: E402
-from ftrun.worker import planes, redundancy  # noqa: E402
+from ftrun.worker import backends, planes, redundancy  # noqa: E402
 
 UID = int(os.environ.get("FTRUN_UID", os.environ.get("RANK", "0")))
 FIRST_ATTEMPT = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
@@ -83,6 +85,14 @@ def plant(kind: str, step: int, uid: int, training: train_ddp.Training) -> None:
         raise RuntimeError(f"planted exception at step {step}")
     if kind == "reset":
         reset_link()
+    if kind == "backend":
+        reads = backends.async_error
+
+        def reported_once(group: dist.ProcessGroup, backend: str) -> str | None:
+            backends.async_error = reads
+            return f"the data plane's {backend} backend reported COMM_ERROR"
+
+        backends.async_error = reported_once
     if kind == "allreduce":
         first = next(iter(training.model.module.parameters()))
         first.register_hook(lambda grad: die())
