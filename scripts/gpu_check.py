@@ -63,6 +63,11 @@ def check_planes(store: dist.TCPStore) -> Planes:
           f"control plane: {type(planes.control).__name__}; TORCH_NCCL_ASYNC_ERROR_HANDLING="
           f"{backends.NCCL_ENV['TORCH_NCCL_ASYNC_ERROR_HANDLING']}", flush=True)
     timed("all_reduce 4 MiB (data) + allgather (control)", lambda: collectives_on_both_planes(planes))
+    tells = hasattr(dist.group.WORLD._get_backend(torch.device("cuda")), "get_error")
+    recorded = backends.async_error(dist.group.WORLD, "nccl")
+    print(f"the watchdog's recorded failures readable at commit (Backend.get_error): {tells}; recorded after "
+          f"healthy collectives: {recorded}", flush=True)
+    assert recorded is None, recorded
     started = time.perf_counter()
     timed("abort both planes (ncclCommAbort started, Gloo shutdown)", planes.abort)
     timed("form generation 1", lambda: planes.form(Plan(1, [0]), lambda: False))
