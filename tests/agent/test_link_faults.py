@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from runs import NPROC, check_steps
 
 
@@ -34,6 +36,7 @@ def test_a_reset_link_between_two_live_workers_re_forms_the_same_group(launch, b
     check_steps(run, baseline, {})
 
 
+@pytest.mark.compat
 def test_a_failure_the_backend_records_after_the_step_fails_it_and_the_same_group_trains_on(launch, baseline):
     """At step 5's commit, rank 2's data plane reports an asynchronous failure (as NCCL's watchdog records one,
     while the collective's future was done since it was queued): the step is not applied there, the same four

@@ -169,6 +169,7 @@ class _DataGroup:
 
 
 @pytest.mark.fast
+@pytest.mark.compat  # torch's own group and its get_error, on each release
 def test_the_failure_a_backends_watchdog_recorded_is_read_in_a_line():
     group = _DataGroup(_Backend("COMM_ERROR"))
     assert backends.async_error(group, "gloo") == "the data plane's gloo backend reported COMM_ERROR"
