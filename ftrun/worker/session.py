@@ -206,8 +206,10 @@ class Session:
     def commit(self, optimizer: torch.optim.Optimizer, loss: torch.Tensor | None = None) -> float | None:
         """Step ``optimizer`` if this step's collectives completed; returns the loss summed over ranks.
 
-        Returns None when the step was abandoned (a peer was lost): nothing was applied, the gradients
-        are dropped and :meth:`steps` yields the same step again after recovery.
+        Returns None when the step was abandoned (a peer was lost, or a collective failed): nothing was
+        applied, the gradients are dropped and :meth:`steps` yields the same step again after recovery. On a GPU,
+        reading the summed ``loss`` waits for the step's collectives to end, so that a failure the backend's
+        watchdog recorded meanwhile is seen here (:func:`~ftrun.worker.backends.async_error`).
         """
         ok, total = self.collectives.finish(loss, self._loss_group, self._backend_error)
         if self.entered is not None:
