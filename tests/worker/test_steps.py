@@ -27,6 +27,13 @@ def test_a_future_handing_on_a_gpu_tensor_is_made_with_its_device():
     assert future_devices(torch.device("cuda", 1)) == [torch.device("cuda", 1)]
 
 
+def step_begun() -> StepCollectives:
+    """The collectives of a step just begun, with no notice of the first one entered."""
+    collectives = StepCollectives(threading.Condition(), None)
+    collectives.begin()
+    return collectives
+
+
 class _OnGpu:
     """A bucket's buffer that says it is on GPU 0 (all the hook asks of it before issuing its all-reduce)."""
 
@@ -83,8 +90,7 @@ def test_the_hooks_future_for_a_gpu_bucket_carries_the_gpu(monkeypatch):
             super().__init__()  # a CUDA device cannot be named to a future where torch has no CUDA
 
     monkeypatch.setattr(steps.torch.futures, "Future", Recording)
-    collectives = StepCollectives(threading.Condition(), None)
-    collectives.begin()
+    collectives = step_begun()
     bucket = _Bucket(_OnGpu())
     result = collectives.hook(_Group(), bucket)
     assert made[0] == [torch.device("cuda", 0)]  # the hook's own (the collective's stand-in makes the next)
@@ -94,8 +100,7 @@ def test_the_hooks_future_for_a_gpu_bucket_carries_the_gpu(monkeypatch):
 
 @pytest.mark.fast
 def test_a_failed_collective_fails_the_step_and_its_wait():
-    collectives = StepCollectives(threading.Condition(), None)
-    collectives.begin()
+    collectives = step_begun()
     group = _Group("connection closed by peer")
     collectives.hook(group, _Bucket())
     assert collectives.failed and collectives.error == "connection closed by peer"
@@ -108,8 +113,7 @@ ABORTED = "NCCL communicator was aborted on rank 1. Original reason for failure 
 
 @pytest.mark.fast
 def test_a_collective_the_backend_refuses_fails_the_step_instead_of_leaving_backward():
-    collectives = StepCollectives(threading.Condition(), None)
-    collectives.begin()
+    collectives = step_begun()
     group = _Group(refuse=dist.DistBackendError(ABORTED + "\n(C++ frames)"))
     bucket = _Bucket()
     result = collectives.hook(group, bucket)
@@ -123,8 +127,7 @@ def test_a_collective_the_backend_refuses_fails_the_step_instead_of_leaving_back
 
 @pytest.mark.fast
 def test_a_collective_called_wrongly_is_not_taken_for_a_failed_step():
-    collectives = StepCollectives(threading.Condition(), None)
-    collectives.begin()
+    collectives = step_begun()
     wrong = _Group(refuse=RuntimeError("No backend type associated with device type cpu"))
     with pytest.raises(RuntimeError, match="No backend type"):
         collectives.hook(wrong, _Bucket())
@@ -134,8 +137,7 @@ def test_a_collective_called_wrongly_is_not_taken_for_a_failed_step():
 
 @pytest.mark.fast
 def test_a_failure_the_backend_recorded_fails_the_step_at_its_commit():
-    collectives = StepCollectives(threading.Condition(), None)
-    collectives.begin()
+    collectives = step_begun()
     collectives.hook(_Group(), _Bucket())
     assert collectives.finish(None, lambda _: _Group(), lambda: "the data plane's nccl backend reported TIMEOUT") \
         == (False, None)
