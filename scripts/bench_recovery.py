@@ -1,7 +1,7 @@
 """Compare recovering from a killed worker: torchrun + disk checkpoint vs ftrun in place; and per-step cost.
 
-Recovery drills (``--drills`` each, alternating; every drill is a separate run of 4 CPU workers with
-``--standalone --nproc-per-node 4 --max-restarts 3`` under both launchers) run
+Recovery drills (``--drills`` each, alternating; every drill is a separate run of ``--workers`` CPU workers,
+4 by default, with ``--standalone --nproc-per-node <workers> --max-restarts 3`` under both launchers) run
 scripts/bench_workloads/train_ckpt.py: examples/train_ddp.py's training through the ftrun worker API,
 which under torchrun also saves a checkpoint every ``--ckpt-every`` steps and resumes from it after a
 group restart. When the job's output shows step ``--kill-at`` committed, this process finds the worker
@@ -15,7 +15,9 @@ SIGKILL. Per drill:
   after the last checkpoint; ftrun: should be 0), and for ftrun its events.jsonl "recovery" event
   (its own latency, from when it noticed the exit, and steps_lost).
 
-Steady state (``--overhead-runs`` runs of each, alternating, no faults, ``--overhead-steps`` steps):
+Steady state (``--overhead-runs`` rounds of one run of each configuration, no faults, ``--overhead-steps``
+steps; each round starts one configuration later than the one before, so that every configuration takes each
+place in a round equally often over a multiple of three rounds):
 the median of the differences between consecutive steps' ``t=`` over steps 10..N-1 for train_ckpt.py
 (no checkpoints) under ftrun (the worker API's step protocol) and under torchrun (the API degraded to
 DDP with its summing hook), and for scripts/bench_workloads/plain_ddp.py under torchrun (stock DDP
@@ -60,8 +62,6 @@ LAUNCHERS = {
     "torchrun": [sys.executable, "-m", "torch.distributed.run"],
     "ftrun": [sys.executable, "-m", "ftrun"],
 }
-WORLD = 4
-LAUNCH_FLAGS = ["--standalone", "--nproc-per-node", str(WORLD), "--max-restarts", "3"]
 TRAIN_LINE = re.compile(r"\bstep=(\d+) loss=\S+ t=([\d.]+) world=(\d+) attempt=(\d+)")
 ANY_STEP = re.compile(r"\bstep=(\d+)\b.*\bt=([\d.]+)")
 TARGET_LATENCY, TARGET_SPEEDUP, TARGET_OVERHEAD, TARGET_OWN_LATENCY = 0.5, 20.0, 0.03, 0.05
@@ -74,10 +74,20 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--ckpt-every", type=int, default=20, help="torchrun checkpoint interval in steps (20).")
     parser.add_argument("--kill-at", type=int, default=30, help="Kill RANK 1 once this step is committed (30).")
     parser.add_argument("--overhead-steps", type=int, default=150, help="Steps per steady-state run (150).")
-    parser.add_argument("--overhead-runs", type=int, default=3, help="Steady-state runs per configuration (3).")
+    parser.add_argument("--overhead-runs", type=int, default=3, help="Steady-state rounds, one run of each "
+                        "configuration in each (3; in a multiple of 3 each configuration takes each place equally often).")
     parser.add_argument("--timeout", type=float, default=180.0, help="Seconds one run may take (180).")
     parser.add_argument("--hook-steps", type=int, default=100, help="Steps of the comm hook measurement (100).")
-    return parser.parse_args()
+    parser.add_argument("--workers", type=int, default=4, help="Workers of every run (4).")
+    args = parser.parse_args()
+    if args.workers < 2:
+        parser.error("--workers must be at least 2 (a drill kills RANK 1)")
+    return args
+
+
+def launch_flags(workers: int) -> list[str]:
+    """The flags every run is launched with, under either launcher."""
+    return ["--standalone", "--nproc-per-node", str(workers), "--max-restarts", "3"]
 
 
 # ------------------------------------------------------------------ recovery drills
@@ -116,7 +126,7 @@ def recovery_event(run_dir: Path, timeout: float = 10.0) -> dict[str, Any]:
 def drill(launcher: str, args: argparse.Namespace) -> Drill:
     """One run: kill RANK 1 after step --kill-at, follow the job until it makes new progress."""
     with tempfile.TemporaryDirectory(prefix="bench_recovery_") as ckpt_dir:
-        run = start([*LAUNCHERS[launcher], *LAUNCH_FLAGS, str(TRAIN), "--steps", "100000",
+        run = start([*LAUNCHERS[launcher], *launch_flags(args.workers), str(TRAIN), "--steps", "100000",
                      "--ckpt-every", str(args.ckpt_every), "--ckpt-dir", ckpt_dir])
         try:
             return follow(run, launcher, args)
@@ -134,7 +144,7 @@ def follow(run: Run, launcher: str, args: argparse.Namespace) -> Drill:
         if not match:
             continue
         step, stamp, world, attempt = int(match[1]), float(match[2]), int(match[3]), int(match[4])
-        recovered = world < WORLD or attempt > 0
+        recovered = world < args.workers or attempt > 0
         if killed_at < 0 and step >= args.kill_at:
             worker = worker_with_rank(run.proc.pid, 1, TRAIN.name)
             run_dir = ftrun_run_dir(run.proc.pid)
@@ -167,14 +177,26 @@ class Steady:
     cpu: float
 
 
-def step_times(launcher: str, script: Path, extra: list[str], steps: int, timeout: float) -> Steady:
-    """Durations of steps 11..steps-1 (consecutive ``t=`` differences) of one fault-free run, and the CPU time
-    (user and system) of the launcher and all its descendants per step between step 10 and the last."""
-    run = start([*LAUNCHERS[launcher], *LAUNCH_FLAGS, str(script), "--steps", str(steps), *extra])
+def round_order(labels: list[str], number: int) -> list[str]:
+    """The configurations of round ``number`` in the order they run: the list turned by one place a round.
+
+    Where a run stands in its round moves its step time here (the configurations run in one fixed order, the
+    last one's per-round ratios to the first were 1.08-1.11 over five rounds of 2 workers, and 0.85-1.08 with
+    the same configuration run first), so no configuration keeps one place."""
+    turn = number % len(labels)
+    return labels[turn:] + labels[:turn]
+
+
+def step_times(launcher: str, script: Path, extra: list[str], args: argparse.Namespace) -> Steady:
+    """Durations of steps 11..N-1 (consecutive ``t=`` differences) of one fault-free run of
+    ``--overhead-steps`` N, and the CPU time (user and system) of the launcher and all its descendants per
+    step between step 10 and the last."""
+    steps = args.overhead_steps
+    run = start([*LAUNCHERS[launcher], *launch_flags(args.workers), str(script), "--steps", str(steps), *extra])
     stamps: dict[int, float] = {}
     cpu_at_10 = 0.0
     try:
-        for _, line in lines(run, timeout):
+        for _, line in lines(run, args.timeout):
             match = ANY_STEP.search(line)
             if match:
                 stamps[int(match[1])] = float(match[2])
@@ -325,7 +347,7 @@ def print_drill_summary(drills: list[Drill], args: argparse.Namespace) -> list[t
 
 def main() -> None:
     args = parse_args()
-    print(f"{WORLD} workers, kill RANK 1 after step {args.kill_at}, torchrun checkpoint every {args.ckpt_every} "
+    print(f"{args.workers} workers, kill RANK 1 after step {args.kill_at}, torchrun checkpoint every {args.ckpt_every} "
           f"steps ({machine()})", flush=True)
     drills = []
     for number in range(args.drills):
@@ -335,8 +357,9 @@ def main() -> None:
                   f"{drills[-1].recomputed} steps recomputed", flush=True)
     overhead: dict[str, list[Steady]] = {label: [] for label in OVERHEAD_CONFIGS}
     for number in range(args.overhead_runs):
-        for label, (launcher, script, extra) in OVERHEAD_CONFIGS.items():
-            overhead[label].append(step_times(launcher, script, extra, args.overhead_steps, args.timeout))
+        for label in round_order(list(OVERHEAD_CONFIGS), number):
+            launcher, script, extra = OVERHEAD_CONFIGS[label]
+            overhead[label].append(step_times(launcher, script, extra, args))
             print(f"  steady state {number + 1}/{args.overhead_runs}: {label}", flush=True)
     hooks = hook_costs(args.hook_steps)
     if drills:

@@ -49,3 +49,16 @@ def test_the_shell_scripts_parse():
     for script in sorted((ROOT / "scripts").glob("*.sh")):
         result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=30)
         assert result.returncode == 0, f"{script.name}: {result.stderr}"
+
+
+def test_each_steady_state_configuration_takes_each_place_of_a_round_equally_often():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from bench_recovery import OVERHEAD_CONFIGS, round_order
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    labels = list(OVERHEAD_CONFIGS)
+    rounds = [round_order(labels, number) for number in range(2 * len(labels))]
+    assert all(sorted(order) == sorted(labels) for order in rounds)
+    for place in range(len(labels)):
+        assert sorted(order[place] for order in rounds) == sorted(labels * 2)
