@@ -78,6 +78,15 @@ def test_spares_that_would_share_the_training_workers_gpus_are_one_line_and_exit
         in result.stderr, result.stderr
 
 
+def test_a_hosts_agent_refuses_spares_its_own_gpus_cannot_hold_in_one_line(run_ftrun, tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=2\n")  # a local host: its agent runs here, without ssh
+    result = run_ftrun("--hostfile", hostfile, "--spares", 1, EXAMPLE, env={"CUDA_VISIBLE_DEVICES": "0,1"})
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "ftrun: error: localhost: --spares 1: this node has 2 GPUs and 2 train on them" in result.stderr, \
+        result.stderr
+
+
 @pytest.mark.fast
 @pytest.mark.parametrize("nproc, spares, gpus, refused", [
     (8, 1, 8, True),  # every GPU trains: a spare would wrap onto GPU 0

@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from ftrun import flag_values
 from ftrun.agent.agent import Agent
 from ftrun.config import Endpoint, LaunchConfig
 from ftrun.console import Console
+from ftrun.errors import UsageError
 from ftrun.launcher import handoff
 from ftrun.launcher.hosts import listen_address
 from ftrun.store.host import StoreHost
@@ -32,11 +34,15 @@ def launch_handed_off() -> int:
     """Run one host's agent of a --hostfile launch, from the hand-off in its environment."""
     line = os.environ.pop(handoff.VARIABLE, None)
     if line is None:
-        from ftrun.errors import UsageError
-
         raise UsageError(f"no {handoff.VARIABLE} in the environment: this command is started by "
                          "`ftrun --hostfile`, not by hand")
-    config, store_host = _hosted_here(handoff.decode(line))
+    config = handoff.decode(line)
+    # the launcher cannot know a host's GPUs: each host's agent checks its spares against its own
+    refusal = flag_values.spares_refusal(config.nproc_per_node, config.recovery.spares,
+                                         flag_values.visible_gpu_count())
+    if refusal:
+        raise UsageError(f"{config.node_name}: {refusal}")
+    config, store_host = _hosted_here(config)
     return Agent(config, store_host, Console()).run()
 
 
