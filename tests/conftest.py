@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
+import ports
 from runs import COMMIT, HELD_STEPS, HELD_TRAINING, NPROC, TIMEOUT, TRAINING, Run, fault_free, read_run
 
 FTRUN = [sys.executable, "-m", "ftrun"]
@@ -89,14 +89,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def free_port():
-    """A function returning a TCP port that was free a moment ago."""
-
-    def pick() -> int:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
-
-    return pick
+    """A function returning a TCP port that was free a moment ago, never the same one twice in a session."""
+    given: set[int] = set()
+    return lambda: ports.free_port(given)
 
 
 @pytest.fixture

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import ssl
 import subprocess
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import ports
 
 READY_WAIT = 30.0
 """Seconds a member (or a cluster) has to start answering."""
@@ -26,10 +27,11 @@ def etcd_binary() -> str | None:
     return str(path) if path.exists() else None
 
 
+_GIVEN: set[int] = set()  # the ports this process picked for members
+
+
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return ports.free_port(_GIVEN)
 
 
 @dataclass(frozen=True)
