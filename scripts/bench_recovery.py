@@ -75,7 +75,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--kill-at", type=int, default=30, help="Kill RANK 1 once this step is committed (30).")
     parser.add_argument("--overhead-steps", type=int, default=150, help="Steps per steady-state run (150).")
     parser.add_argument("--overhead-runs", type=int, default=3, help="Steady-state rounds, one run of each "
-                        "configuration in each (3; in a multiple of 3 each configuration takes each place equally often).")
+                        "configuration in each (3; over a multiple of 3 each takes each place equally often).")
     parser.add_argument("--timeout", type=float, default=180.0, help="Seconds one run may take (180).")
     parser.add_argument("--hook-steps", type=int, default=100, help="Steps of the comm hook measurement (100).")
     parser.add_argument("--workers", type=int, default=4, help="Workers of every run (4).")
