@@ -244,10 +244,8 @@ def build_config(
     if not 0 <= recovery.spares <= MAX_WORKERS_PER_NODE - max(node_sizes, default=nproc):
         raise UsageError(f"--spares {recovery.spares}: give 0 or more, and at most {MAX_WORKERS_PER_NODE} workers "
                          "per node with the training workers")
-    if recovery.spares and hosts is None:  # this node's GPUs (with --hostfile, the hosts' are not known here)
-        refusal = flag_values.spares_refusal(nproc, recovery.spares, flag_values.visible_gpu_count())
-        if refusal:
-            raise UsageError(refusal)
+    if hosts is None:  # this node's GPUs (with --hostfile each host's agent checks its own)
+        flag_values.check_spares_fit(nproc, recovery.spares)
     for flag, seconds in (("--recovery-timeout", recovery.recovery_timeout), ("--join-timeout", recovery.join_timeout),
                           ("--hang-timeout", recovery.hang_timeout), ("--node-timeout", node_timeout)):
         if seconds is not None and not 0 < seconds < math.inf:

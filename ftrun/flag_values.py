@@ -86,6 +86,14 @@ def spares_refusal(nproc: int, spares: int, gpus: int) -> str | None:
     return None
 
 
+def check_spares_fit(nproc: int, spares: int, where: str = "") -> None:
+    """Raise UsageError (prefixed by ``where``, a host's name) when ``spares`` cannot start beside ``nproc``
+    training workers on this node's visible GPUs (:func:`spares_refusal`)."""
+    refusal = spares_refusal(nproc, spares, visible_gpu_count()) if spares else None
+    if refusal:
+        raise UsageError(f"{where}: {refusal}" if where else refusal)
+
+
 def parse_std_spec(spec: str, flag: str, nproc: int) -> dict[int, int]:
     """Parse torchrun's --redirects/--tee value into {local_rank: stream mask}.
 

@@ -38,10 +38,7 @@ def launch_handed_off() -> int:
                          "`ftrun --hostfile`, not by hand")
     config = handoff.decode(line)
     # the launcher cannot know a host's GPUs: each host's agent checks its spares against its own
-    refusal = flag_values.spares_refusal(config.nproc_per_node, config.recovery.spares,
-                                         flag_values.visible_gpu_count())
-    if refusal:
-        raise UsageError(f"{config.node_name}: {refusal}")
+    flag_values.check_spares_fit(config.nproc_per_node, config.recovery.spares, config.node_name)
     config, store_host = _hosted_here(config)
     return Agent(config, store_host, Console()).run()
 
