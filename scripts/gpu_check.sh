@@ -3,7 +3,9 @@
 # size 1), its comm hook and commit on CUDA tensors and the stream order of their results, its state manifest of a
 # CUDA model and the hook's cost per bucket (scripts/gpu_check.py); both examples under ftrun on that GPU; then four
 # workers sharing the GPU, one of them SIGKILLed and recovered in place, and again with --respawn, where the
-# replacement receives the CUDA state from a peer (scripts/gpu_drill.py). Needs a GPU and ftrun's dependencies (`pip
+# replacement receives the CUDA state from a peer (scripts/gpu_drill.py); last, what torch's native in-place
+# reconfigure does on both NCCL backends with one rank (scripts/reconfigure_probe.py: store use, reconfigure after
+# ftrun's abort), reported and never failing the check. Needs a GPU and ftrun's dependencies (`pip
 # install -e '.[gpu]'`, or torch, typer, rich, psutil and nvidia-ml-py already there); prints what it measured and
 # ends with "gpu check: all passed".
 #
@@ -22,4 +24,8 @@ for example in train_ddp train_fsdp; do
   python -m ftrun --nproc-per-node 1 "examples/$example.py" --steps 20 2>&1 | tail -3
 done
 python scripts/gpu_drill.py
+for nccl2 in 0 1; do  # the old NCCL backend and the rewritten one (torch 2.15's default)
+  TORCH_DIST_USE_NCCL2=$nccl2 timeout 120 python scripts/reconfigure_probe.py --backend nccl \
+    || echo "reconfigure probe (TORCH_DIST_USE_NCCL2=$nccl2): exited with $? (a finding, not a failure)"
+done
 echo "gpu check: all passed"
