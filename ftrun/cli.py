@@ -104,6 +104,10 @@ def run(
         None, "--refresh-every", metavar="K", rich_help_panel=RECOVERY_PANEL,
         help="Sharded (FSDP2) state: copy each rank's shards to its buddy every K committed steps (0: never); "
              "overrides the script's ft.protect(refresh_every=...)."),
+    data_reconfigure: str = typer.Option(
+        "fresh", "--data-reconfigure", metavar="fresh|native", rich_help_panel=RECOVERY_PANEL,
+        help="How each generation's data group is formed: fresh (a new group, the default) or native (torch's "
+             "in-place reconfigure, where the backend offers it; experimental)."),
     hang_timeout: Optional[float] = typer.Option(
         None, "--hang-timeout", rich_help_panel=HEALTH_PANEL,
         help="Seconds without progress before a rank is declared hung (default: adaptive, 10x the median step)."),
@@ -210,7 +214,8 @@ def run(
                      f"--event-log-handler {event_log_handler}": event_log_handler != "null"},
         recovery=RecoveryConfig(enabled=not no_recovery, respawn=respawn, spares=spares, min_nproc=min_nproc,
                                 recovery_timeout=recovery_timeout, join_timeout=join_timeout,
-                                hang_timeout=hang_timeout, xid_policy=xid_policy, refresh_every=refresh_every),
+                                hang_timeout=hang_timeout, xid_policy=xid_policy, refresh_every=refresh_every,
+                                data_reconfigure=data_reconfigure),
     )
     from ftrun.launcher.launch import launch
 

@@ -30,6 +30,10 @@ class Endpoint:
     port: int  # 0: pick a free port
 
 
+DATA_RECONFIGURE = ("fresh", "native")
+"""--data-reconfigure's values: a new data group each generation, or torch's in-place reconfigure of one."""
+
+
 @dataclass
 class RecoveryConfig:
     """ftrun's own knobs for in-process recovery."""
@@ -43,6 +47,7 @@ class RecoveryConfig:
     hang_timeout: float | None = None  # None: adaptive (see ftrun.health.hangs)
     xid_policy: str | None = None  # --xid-policy: a TOML or JSON file of Xid overrides
     refresh_every: int | None = None  # --refresh-every: sharded state's copies, every K steps (None: the script's)
+    data_reconfigure: str = "fresh"  # --data-reconfigure: fresh (a new data group each generation) or native
 
 
 @dataclass
@@ -258,6 +263,8 @@ def build_config(
                          f"{monitor_interval:g}: raise --node-timeout to {8 * monitor_interval:g} or more")
     if recovery.refresh_every is not None and recovery.refresh_every < 0:
         raise UsageError(f"--refresh-every {recovery.refresh_every}: give 0 (no copies) or a number of steps")
+    if recovery.data_reconfigure not in DATA_RECONFIGURE:
+        raise UsageError(f"--data-reconfigure {recovery.data_reconfigure[:20]!r}: give fresh or native")
     world = sum(node_sizes) if node_sizes else nproc * min_nodes
     if not 1 <= recovery.min_nproc <= world:
         raise UsageError(f"--min-nproc {recovery.min_nproc} must be between 1 and the number of workers ({world})")

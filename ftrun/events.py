@@ -52,8 +52,9 @@ FAULT = EventKind("fault", ("uid", "rank", "pid", "how", "message", "gen"))
 GENERATION = EventKind("generation", ("gen", "members", "reason", "lost", "joiners", "world_size"))
 """The leader issued a new generation's plan: ``members`` are uids in rank order."""
 RECOVERY = EventKind("recovery", ("kind", "gen", "lost_ranks", "lost_uids", "world_before", "world_after",
-                                  "joiners", "steps_lost", "resumed_at_step", "latency", "phases"))
-"""The first step of a new generation committed: one in-place recovery (``kind`` fault or join), timed."""
+                                  "joiners", "steps_lost", "resumed_at_step", "latency", "phases", "data_plane"))
+"""The first step of a new generation committed: one in-place recovery (``kind`` fault or join), timed;
+``data_plane`` reconfigured (torch's in-place reconfigure on every member) or formed (a new group)."""
 RECOVERY_REFUSED = EventKind("recovery_refused", ("uid", "reason"))
 """A fault that cannot be recovered in place; the group restarts."""
 RECOVERY_FAILED = EventKind("recovery_failed", ("reason", "gen"))

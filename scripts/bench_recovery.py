@@ -79,6 +79,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=180.0, help="Seconds one run may take (180).")
     parser.add_argument("--hook-steps", type=int, default=100, help="Steps of the comm hook measurement (100).")
     parser.add_argument("--workers", type=int, default=4, help="Workers of every run (4).")
+    parser.add_argument("--data-reconfigure", choices=["fresh", "native"], default="fresh",
+                        help="ftrun's --data-reconfigure in the drills (fresh).")
     args = parser.parse_args()
     if args.workers < 2:
         parser.error("--workers must be at least 2 (a drill kills RANK 1)")
@@ -126,7 +128,8 @@ def recovery_event(run_dir: Path, timeout: float = 10.0) -> dict[str, Any]:
 def drill(launcher: str, args: argparse.Namespace) -> Drill:
     """One run: kill RANK 1 after step --kill-at, follow the job until it makes new progress."""
     with tempfile.TemporaryDirectory(prefix="bench_recovery_") as ckpt_dir:
-        run = start([*LAUNCHERS[launcher], *launch_flags(args.workers), str(TRAIN), "--steps", "100000",
+        own = ["--data-reconfigure", args.data_reconfigure] if launcher == "ftrun" else []
+        run = start([*LAUNCHERS[launcher], *own, *launch_flags(args.workers), str(TRAIN), "--steps", "100000",
                      "--ckpt-every", str(args.ckpt_every), "--ckpt-dir", ckpt_dir])
         try:
             return follow(run, launcher, args)

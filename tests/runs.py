@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from ftrun.launcher import handoff
+from ftrun.worker import backends
 
 STEPS = 12
 TRAINING = ["--steps", str(STEPS), "--width", "256"]
@@ -41,6 +42,10 @@ NO_WATCHDOG = ("--hang-timeout", "300")
 HELD_STEPS = 200
 HELD_TRAINING = ["--steps", str(HELD_STEPS), "--width", "256"]
 """tests/workloads/held_train.py's training: long enough to act on the job while it is held (0.2 s a step)."""
+
+NATIVE = pytest.param("native", marks=pytest.mark.skipif(not backends.reconfigures_in_place("native"),
+                                                         reason="this torch has no in-place reconfigure"))
+"""--data-reconfigure native as a test parameter, where this torch has the in-place reconfigure."""
 
 
 @dataclass(frozen=True)

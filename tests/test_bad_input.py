@@ -33,6 +33,7 @@ def policy(name: str, content: bytes):
     (["--nproc-per-node", HUGE], "--nproc-per-node '99999999999999999999' is not valid"),
     (["--spares", "2000"], "--spares 2000: give 0 or more, and at most 1024"),
     (["--refresh-every", "-1"], "--refresh-every -1: give 0 (no copies) or a number of steps"),
+    (["--data-reconfigure", "inplace"], "--data-reconfigure 'inplace': give fresh or native"),
     (["--xid-policy", policy("latin1.json", b'{"xid": {"13": "\xe9vict_gpu"}}')], "is not UTF-8 text"),
     (["--xid-policy", policy("digits.json", '{"xid": {"٧٩": "ignore"}}'.encode())], "'٧٩' is not an Xid code"),
     (["--xid-policy", policy("super.toml", '[xid]\n"²" = "ignore"\n'.encode())], "'²' is not an Xid code"),

@@ -364,4 +364,6 @@ def recovery_summary(recovery: Recovery, first_commit: dict[str, Any], world_aft
     return {"kind": recovery.kind, "gen": recovery.gen, "lost_ranks": recovery.lost_ranks,
             "lost_uids": recovery.lost_uids, "world_before": recovery.before.world_size, "world_after": world_after,
             "steps_lost": max(0, before - max(after, first_commit["step"] - 1)),
-            "resumed_at_step": first_commit["step"], "latency": round(done - recovery.started, 6), "phases": phases}
+            "resumed_at_step": first_commit["step"], "latency": round(done - recovery.started, 6), "phases": phases,
+            "data_plane": "reconfigured" if reports and all(r.get("data_plane") == "reconfigured" for r in reports)
+            else "formed"}

@@ -69,6 +69,7 @@ def worker_env(
         FTRUN_JOINER="1" if joiner else "0",
         FTRUN_RECOVERY="1" if config.recovery.enabled else "0",
         FTRUN_RECOVERY_DEADLINE=str(config.recovery.recovery_timeout + config.recovery.join_timeout),
+        FTRUN_DATA_RECONFIGURE=config.recovery.data_reconfigure,
     )
     env.pop("FTRUN_REFRESH_EVERY", None)
     if config.recovery.refresh_every is not None:

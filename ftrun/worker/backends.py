@@ -95,6 +95,18 @@ def async_error(group: dist.ProcessGroup, backend: str) -> str | None:
 ABORTING = ("nccl",)
 """The backends whose ``abort()`` fails the collectives in flight (Gloo's does nothing)."""
 
+RECONFIGURE_API = ("_reconfigure", "_get_reconfigure_handle", "_supports_reconfigure")
+"""torch.distributed's in-place reconfigure (experimental in torch): all three, or ftrun forms fresh groups."""
+
+
+def reconfigures_in_place(setting: str) -> bool:
+    """Whether the data plane is to be re-formed by torch's in-place reconfigure: asked for (``--data-reconfigure
+    native``) and offered by this torch (its API, feature-detected). Whether the backend itself offers it is
+    known once its group exists (:class:`~ftrun.worker.planes.Planes` falls back to fresh groups if not)."""
+    return setting == "native" and all(hasattr(dist, name) for name in RECONFIGURE_API) \
+        and "enable_reconfigure" in inspect.signature(dist.init_process_group).parameters
+
+
 def abort(group: dist.ProcessGroup) -> list[threading.Thread]:
     """Start failing every collective in flight on the data plane where its backend aborts (NCCL): each group
     torch.distributed holds is aborted on a thread of its own (``ncclCommAbort``). Returns those threads.

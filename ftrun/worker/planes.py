@@ -19,6 +19,18 @@ Gloo leaves the collectives in flight blocked: tests/test_torch_reconfigure.py).
 flight then fails at once, here and on every peer; once they have, and the aborts are done, the stale
 groups hold no blocked thread and are released (their threads end and their sockets close), off the
 recovery's critical path.
+
+In place (``--data-reconfigure native``, where the backend offers torch's reconfigure): each process makes its
+data group once, for reconfigure (``enable_reconfigure=True``: no rendezvous yet), and each generation
+re-forms it with ``_reconfigure`` over the members' handles, in rank order, instead of forming a new default
+group. A reconfigure rendezvouses through the store the group was made with, keyed by the group's name and the
+uuid (Gloo and torch 2.15's NCCL backend alike: scripts/reconfigure_probe.py), so every process of an attempt
+makes its group on one prefix, a spare's alone included, and each reconfigure takes a uuid no other takes on
+it: the generation's (plus one), or for a spare alone one of its own. Each member's handle travels as the
+value of its barrier key: no second rendezvous. At a plan the data group is not aborted on NCCL (its reconfigure
+revokes what is pending: pytorch#189359); Gloo's connections are shut down as in the fresh mode (its
+reconfigure leaves collectives in flight blocked). A new leader's store (a moved rendezvous) gets a new
+group made for reconfigure.
 """
 
 from __future__ import annotations
@@ -107,6 +119,9 @@ def _shut_down(sockets: Sockets) -> None:
 
 
 EXIT_ABORT_WAIT = 60.0  # seconds an exiting worker waits for aborts still running (NCCL's take about one)
+ALONE_UUID = 1 << 40
+"""In place: a spare's group alone is reconfigured with this plus its uid, a uuid no generation (the
+generation's number plus one) ever takes on the shared prefix."""
 
 
 @dataclass
@@ -131,7 +146,8 @@ class Planes:
     read. ``release`` frees the aborted generations once nothing of theirs can still run.
     """
 
-    def __init__(self, store: dist.TCPStore, attempt: int, uid: int, backend: str, timeout: timedelta) -> None:
+    def __init__(self, store: dist.TCPStore, attempt: int, uid: int, backend: str, timeout: timedelta,
+                 in_place: bool = False) -> None:
         self.store = store
         self._rendezvous = _rendezvous_clients(store.host, store.port, store.timeout.total_seconds())
         self.attempt = attempt
@@ -143,6 +159,10 @@ class Planes:
         self._lock = threading.Lock()
         self._aborted: list[Generation] = []  # stale generations waiting to be released
         self._moved_to = ""  # the store address the last plan that named one named ("": none yet)
+        self.in_place = in_place
+        """Whether the data group is re-formed in place by torch's reconfigure (else formed anew each time)."""
+        self._reconfigurable: dist.ProcessGroup | None = None  # in place: the data group, once made
+        self._reconfigurable_store: dist.Store | None = None  # ... and the store it rendezvouses through
 
     @property
     def stale(self) -> bool:
@@ -162,10 +182,18 @@ class Planes:
         for client in self._rendezvous:
             client.close()
         self._rendezvous = _rendezvous_clients(host, port, timeout)
+        if self._reconfigurable is not None:  # its store is gone: the group goes as a fresh one would, and the
+            self.abort(sys.maxsize)           # next is made for reconfigure on the new store
+            self._reconfigurable = self._reconfigurable_store = None
+            with self._lock:
+                if self.current is not None:
+                    self.current.aborts += backends.abort(self.current.data)
+            self._retire()
 
     def start_alone(self) -> None:
         """Groups of this worker alone: a spare waits in them until a plan places it."""
-        self._form(f"alone{self.uid}", -1, 0, 1)
+        handles = [self._handle(lambda: False)] if self.in_place else None
+        self._form(f"alone{self.uid}", -1, 0, 1, handles=handles, uuid=ALONE_UUID + self.uid)
 
     def form(self, plan: Plan, superseded: Callable[[], bool]) -> None:
         """Form ``plan``'s planes; raises :class:`Superseded` if a newer plan comes during the barrier.
@@ -183,7 +211,8 @@ class Planes:
                         lambda uid: keys.probe_address(self.attempt, plan.gen, uid),
                         lambda uid: keys.probe_result(self.attempt, plan.gen, uid),
                         lambda waited: self._wait_keys(waited, superseded))
-        self.store.set(keys.arrived(self.attempt, plan.gen, self.uid), "1")
+        mark = self._handle(superseded) if self.in_place else "1"  # in place, the handle: no second rendezvous
+        self.store.set(keys.arrived(self.attempt, plan.gen, self.uid), mark)
         arrived = {uid: keys.arrived(self.attempt, plan.gen, uid) for uid in plan.members}
         try:
             self._wait_keys(list(arrived.values()), superseded)
@@ -194,7 +223,12 @@ class Planes:
                                "timeout of ftrun.init)") from None
         self.abort(plan.gen)
         self._retire()
-        self._form(f"g{plan.gen}", plan.gen, plan.rank_of(self.uid), plan.world_size, superseded)
+        handles = None
+        if self.in_place:  # each member's handle, in rank order: rank r is the r-th handle's
+            in_order = [arrived[uid] for uid in sorted(plan.members, key=plan.rank_of)]
+            handles = [value.decode() for value in self.store.multi_get(in_order)]
+        self._form(f"g{plan.gen}", plan.gen, plan.rank_of(self.uid), plan.world_size, superseded, handles=handles,
+                   uuid=plan.gen + 1)
 
     def abort(self, before: int) -> None:
         """Make every collective in flight on the current planes fail now, here and on their peers, if they
@@ -211,7 +245,7 @@ class Planes:
             if current is None or current.gen >= before or current in self._aborted:
                 return
             self._aborted.append(current)
-            current.aborts = backends.abort(current.data)
+            current.aborts = [] if self._reconfigurable is not None else backends.abort(current.data)
             _shut_down(current.sockets)
 
     def release(self) -> None:
@@ -256,25 +290,53 @@ class Planes:
         """Take the aborted groups out of torch.distributed, so the next default group can be formed: where
         they were aborted on threads (NCCL), while those still run; else (Gloo, whose connections were shut
         down) by destroying them."""
-        if not dist.is_initialized():
-            return
+        if not dist.is_initialized() or self._reconfigurable is not None:
+            return  # in place, the data group stays: the next generation reconfigures it
         aborting = self._abort_threads()
         if aborting:
             backends.forget_groups(aborting)
         else:
             dist.destroy_process_group()
 
-    def _form(self, name: str, gen: int, rank: int | None, world_size: int,
-              superseded: Callable[[], bool] = lambda: False) -> None:
-        """Form the data and control groups at once, each on its own store prefix; a newer plan ends their
-        rendezvous (:class:`Superseded`) where it goes through the store (Gloo; NCCL reads it later)."""
-        before, hook = _open_fds(), sys.excepthook
-        prefix = keys.group_prefix(self.attempt, name)
-        control_prefix = keys.group_prefix(self.attempt, f"{name}/control")
+    def _data_store(self, prefix: str, superseded: Callable[[], bool]) -> dist.Store:
+        """The store a data group of ``prefix`` rendezvouses through."""
         if "nccl" in self.backend:  # NCCL's rendezvous is not served to C++ through Python, as Gloo's is
-            store: dist.Store = dist.PrefixStore(prefix, self.store)
-        else:  # Gloo's rendezvous runs inside init, through this view
-            store = InterruptibleStore(self._rendezvous[0], superseded, prefix)
+            return dist.PrefixStore(prefix, self.store)
+        return InterruptibleStore(self._rendezvous[0], superseded, prefix)  # Gloo's runs inside init, through it
+
+    def _handle(self, superseded: Callable[[], bool]) -> str:
+        """In place: this process's reconfigure handle, its data group made first if need be (for reconfigure:
+        no rendezvous yet, on the prefix every process of the attempt shares). A backend that turns out not to
+        offer reconfigure leaves the group unmade and this process in the fresh mode (every process of a job
+        has the same backend, so all of them do): the handle is then a plain mark."""
+        if self._reconfigurable is None:
+            hook = sys.excepthook
+            store = self._data_store(keys.group_prefix(self.attempt, "data"), superseded)
+            try:  # a rank of its own (its uid) for the handle: every handle must differ from every other
+                dist.init_process_group(self.backend, store=store, rank=self.uid, world_size=self.uid + 1,
+                                        timeout=self.timeout, enable_reconfigure=True)
+            except Exception as exc:
+                raise _formation_failed("the data group", exc, superseded()) from None
+            sys.excepthook = hook
+            if not dist._supports_reconfigure():
+                print(f"ftrun: --data-reconfigure native: the {self.backend} backend here cannot reconfigure in "
+                      "place; each generation forms a fresh data group", file=sys.stderr, flush=True)
+                dist.destroy_process_group()
+                self.in_place = False
+                return "1"
+            self._reconfigurable, self._reconfigurable_store = dist.group.WORLD, store
+        if isinstance(self._reconfigurable_store, InterruptibleStore):
+            self._reconfigurable_store.superseded = superseded  # this formation's plan ends its waits
+        return dist._get_reconfigure_handle(self._reconfigurable)
+
+    def _form(self, name: str, gen: int, rank: int | None, world_size: int,
+              superseded: Callable[[], bool] = lambda: False, handles: list[str] | None = None,
+              uuid: int = 0) -> None:
+        """Form the data and control groups at once, each on its own store prefix (in place: reconfigure the
+        data group over ``handles`` with ``uuid``); a newer plan ends their rendezvous (:class:`Superseded`)
+        where it goes through the store (Gloo; NCCL reads it later)."""
+        before, hook = _open_fds(), sys.excepthook
+        control_prefix = keys.group_prefix(self.attempt, f"{name}/control")
         control_store = InterruptibleStore(self._rendezvous[1], superseded, control_prefix)
         control: list[dist.ProcessGroup] = []
         failure: list[BaseException] = []
@@ -288,8 +350,13 @@ class Planes:
         thread = threading.Thread(target=form_control, name="ftrun-control-plane", daemon=True)
         thread.start()
         try:
-            dist.init_process_group(self.backend, store=store, rank=rank, world_size=world_size,
-                                    timeout=self.timeout, **backends.init_options(self.backend))
+            if handles is not None and self._reconfigurable is not None:
+                dist._reconfigure(uuid, handles, self._reconfigurable, self.timeout).wait()
+            else:
+                dist.init_process_group(self.backend, store=self._data_store(keys.group_prefix(self.attempt, name),
+                                                                             superseded),
+                                        rank=rank, world_size=world_size, timeout=self.timeout,
+                                        **backends.init_options(self.backend))
         except Exception as exc:
             raise _formation_failed(name, exc, superseded()) from None
         finally:

@@ -86,7 +86,8 @@ class Session:
         backends.prepare(self.backend)
         self.store = open_client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=300)
         self.planes = Planes(self.store, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), self.uid,
-                             self.backend, timeout)
+                             self.backend, timeout,
+                             backends.reconfigures_in_place(os.environ.get("FTRUN_DATA_RECONFIGURE", "fresh")))
         self.channel = AgentChannel(int(os.environ["FTRUN_CHANNEL_FD"]), self._on_message)
         self.entered = EnteredNotice(lambda step: self.channel.send(protocol.ENTERED, step=step))
         self.progress = ProgressNotice(lambda gen, step, step_time: self.channel.send(
@@ -396,7 +397,8 @@ class Session:
             timings = {"abort": round(t0 - received, 6), "rendezvous": round(t1 - t0, 6),
                        "agree": round(t2 - t1, 6), "transfer": round(t3 - t2, 6)}
             self.channel.send(protocol.RECOVERED, gen=plan.gen, step=self.committed_step, held=held, timings=timings,
-                              received_state=self.rank in behind, plan_received=received)
+                              received_state=self.rank in behind, plan_received=received,
+                              data_plane="reconfigured" if self.planes.in_place else "formed")
             return
 
     def _report(self, gen: int, phase: str, error: str, unreachable: dict[int, list[int]] | None = None) -> None:

@@ -242,6 +242,12 @@ def test_a_recovery_summary_times_each_phase_and_counts_no_lost_step():
     assert summary["phases"]["detect"] == pytest.approx(0.01) and summary["phases"]["plan"] == pytest.approx(0.01)
     assert summary["phases"]["first_step"] == pytest.approx(100.1 - 100.047)
     assert (summary["world_before"], summary["world_after"], summary["lost_ranks"]) == (4, 3, [2])
+    assert summary["data_plane"] == "formed"  # no member said it reconfigured its group in place
+    for report in recovery.reports.values():
+        report["data_plane"] = "reconfigured"
+    assert recovery_summary(recovery, {"time": 100.1, "step": 8}, world_after=3)["data_plane"] == "reconfigured"
+    recovery.reports[1] = {**recovery.reports[1], "data_plane": "formed"}  # one that fell back: not in place
+    assert recovery_summary(recovery, {"time": 100.1, "step": 8}, world_after=3)["data_plane"] == "formed"
     behind = {**recovery.reports[0], "step": 5}
     recovery.reports[0] = behind  # a survivor that resumed two steps behind the committed one
     assert recovery_summary(recovery, {"time": 100.1, "step": 6}, world_after=3)["steps_lost"] == 2  # 6 and 7 again

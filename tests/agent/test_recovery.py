@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from runs import NO_WATCHDOG, NPROC, PHASES, RTOL, STEPS, check_in_place, check_steps
+from runs import NATIVE, NO_WATCHDOG, NPROC, PHASES, RTOL, STEPS, check_in_place, check_steps
 
 pytestmark = pytest.mark.compat  # every test here runs on torch's current release too (.ci/run)
 
@@ -52,14 +52,18 @@ def test_second_fault_during_recovery_is_folded_into_the_same_recovery(launch, b
     assert [e["gen"] for e in run.of("generation")] == [1, 2] and recovery["gen"] == 2, run.explain()
 
 
-def test_respawned_worker_rejoins_with_a_peers_state_and_world_returns_to_4(launch, baseline):
+@pytest.mark.parametrize("data_reconfigure", ["fresh", NATIVE])
+def test_respawned_worker_rejoins_with_a_peers_state_and_world_returns_to_4(launch, baseline, data_reconfigure):
     # The survivors wait before step 8 until the joiner has been placed (an event in the log), and the
     # joiner waits until they are there, so the rejoin happens at a known step however long (or short) the
-    # new process takes to start.
-    run = launch("--respawn", *NO_WATCHDOG, faults="kill:5:2", wait="8:joined,joiner:at_8*3",
-                 script="await_train.py")
+    # new process takes to start. native: the survivors' data group is reconfigured in place at both
+    # generations, and the new process's, made for reconfigure as it starts, joins theirs.
+    run = launch("--respawn", *NO_WATCHDOG, "--data-reconfigure", data_reconfigure, faults="kill:5:2",
+                 wait="8:joined,joiner:at_8*3", script="await_train.py")
     check_in_place(run, baseline, lost={2: -9}, fault_step=5, respawned=(4,))
     why = run.explain()
+    planes = {"native": "reconfigured", "fresh": "formed"}[data_reconfigure]
+    assert [r["data_plane"] for r in run.of("recovery")] == [planes, planes], why
     joins = [r for r in run.of("recovery") if r["kind"] == "join"]
     assert len(joins) == 1, why
     join = joins[0]

@@ -20,7 +20,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from runs import read_run
+from runs import NATIVE, read_run
 
 from ftrun.protocol import STACK_DUMP_SIGNAL, Plan
 from ftrun.store import keys
@@ -44,20 +44,23 @@ def test_a_data_group_of_cuda_only_rejects_cpu_tensors(free_port):
 
 
 @pytest.mark.compat
+@pytest.mark.parametrize("data_reconfigure", ["fresh", NATIVE])
 def test_recovery_with_a_data_group_that_rejects_cpu_tensors_uses_only_the_control_plane(run_ftrun, workload,
-                                                                                         tmp_path):
+                                                                                         tmp_path, data_reconfigure):
     # uid 2 is killed before step 5, when the spare is ready: the spare takes its place and receives the
     # whole state (parameters, Adam moments and step counts) from a peer; every collective ftrun issues on
-    # CPU tensors must go to the control plane, or the worker raises and the job fails
+    # CPU tensors must go to the control plane, or the worker raises and the job fails. native: the data
+    # group is re-formed by torch's reconfigure, the spare's (made alone) among the survivors' in place
     steps = 9
     result = run_ftrun("--nproc-per-node", 4, "--spares", 1, "--hang-timeout", 300, "--log-dir", tmp_path,
-                       workload("strict_planes.py"), steps, env={"FAULTS": "kill:5:2", "AWAIT": "5:joiner_ready"},
-                       timeout=150)
+                       "--data-reconfigure", data_reconfigure, workload("strict_planes.py"), steps,
+                       env={"FAULTS": "kill:5:2", "AWAIT": "5:joiner_ready"}, timeout=150)
     run = read_run(result, tmp_path)
     why = run.explain()
     assert run.returncode == 0, why
     (recovery,) = run.of("recovery")
     assert (recovery["world_before"], recovery["world_after"], recovery["joiners"]) == (4, 4, [4]), why
+    assert recovery["data_plane"] == ("reconfigured" if data_reconfigure == "native" else "formed"), why
     assert recovery["steps_lost"] == 0 and recovery["resumed_at_step"] == 5, why
     commits: dict[int, dict[int, tuple[str, str]]] = {}
     for line in run.stdout.splitlines():
@@ -317,3 +320,48 @@ def test_a_survivors_file_descriptors_and_threads_stay_flat_over_20_generations(
         settled = max(counts[gen] for gen in (3, 4, 5))
         grown = {gen: c for gen, c in counts.items() if gen > 5 and (c[0] > settled[0] or c[1] > settled[1])}
         assert not grown, f"uid {uid}: (fds, threads) grew past {settled}: {counts}"
+
+
+@pytest.mark.fast
+@pytest.mark.skipif(not backends.reconfigures_in_place("native"), reason="this torch has no in-place reconfigure")
+def test_a_backend_that_cannot_reconfigure_leaves_the_worker_forming_fresh_groups_in_one_line(free_port, monkeypatch,
+                                                                                             capsys):
+    # torch 2.14's NCCL backend (not here): the group made for reconfigure says it cannot; the worker says so
+    # once and forms each generation's group anew, as every worker of the job does with the same backend
+    monkeypatch.setattr(dist, "_supports_reconfigure", lambda group=None: False)
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    planes = Planes(open_client("127.0.0.1", store.port, 30), 0, 0, "gloo", timedelta(seconds=30), in_place=True)
+    try:
+        planes.form(Plan(0, [0]), lambda: False)
+        assert not planes.in_place and planes.current.data is dist.group.WORLD
+        planes.form(Plan(1, [0]), lambda: False)
+        assert dist.get_world_size() == 1 and planes.current.gen == 1
+    finally:
+        planes.destroy()
+    err = capsys.readouterr().err
+    assert err == "ftrun: --data-reconfigure native: the gloo backend here cannot reconfigure in place; each " \
+                  "generation forms a fresh data group\n"
+
+
+@pytest.mark.fast
+@pytest.mark.skipif(not backends.reconfigures_in_place("native"), reason="this torch has no in-place reconfigure")
+def test_in_place_the_data_group_is_made_once_and_reconfigured_at_each_generation(free_port):
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    planes = Planes(open_client("127.0.0.1", store.port, 30), 0, 7, "gloo", timedelta(seconds=30), in_place=True)
+    try:
+        planes.start_alone()  # a spare's: a world of one, through the prefix the job's groups share
+        group = dist.group.WORLD
+        assert (dist.get_rank(), dist.get_world_size()) == (0, 1)
+        for gen in (1, 2):
+            handle = dist._get_reconfigure_handle()
+            planes.abort(gen)
+            planes.form(Plan(gen, [7]), lambda: False)
+            assert store.get(keys.arrived(0, gen, 7)).decode() == handle  # the barrier key carried it
+            tensor = torch.ones(2)
+            dist.all_reduce(tensor)
+            assert dist.group.WORLD is group and planes.current.data is group and planes.current.gen == gen
+            assert tensor.tolist() == [1.0, 1.0] and (dist.get_rank(), dist.get_world_size()) == (0, 1)
+            planes.release()
+        assert planes.in_place
+    finally:
+        planes.destroy()
