@@ -16,10 +16,16 @@ Run by scripts/gpu_check.sh on a machine with a GPU. World size 1 (NCCL allows o
    (scripts/bench_recovery.py's measurement): what stands between DDP and each all-reduce's launch.
 
 Prints one line per check, the torch and NCCL versions and the backend class "nccl" resolved to.
+
+``--planes fresh|native``: only the planes (1), in that mode of ``--data-reconfigure`` (native: the data group
+made once and re-formed by torch's in-place reconfigure at each generation; where the backend cannot, it says
+so and the generations form fresh groups). With ``--backend gloo`` on the CPU: what the test suite runs of
+this script (tests/test_scripts.py), so that the check's own code is run where no GPU is.
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import threading
 import time
@@ -43,42 +49,46 @@ from bench_recovery import hook_costs  # noqa: I001 -- beside this script
 def timed(label: str, action: Callable[[], object]) -> None:
     start = time.perf_counter()
     action()
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     print(f"{label:<52} {1000 * (time.perf_counter() - start):8.1f} ms", flush=True)
 
 
-def collectives_on_both_planes(planes: Planes) -> None:
-    data = torch.ones(1 << 20, device="cuda")
+def collectives_on_both_planes(planes: Planes, device: str = "cuda") -> None:
+    data = torch.ones(1 << 20, device=device)
     dist.all_reduce(data)
     gathered = [torch.zeros(1, dtype=torch.int64)]
     planes.control.allgather([gathered], [torch.tensor([7])]).wait()
     assert float(data[0]) == 1.0 and int(gathered[0]) == 7, "a world of one must leave the tensors as they were"
 
 
-def check_planes(store: dist.TCPStore) -> Planes:
-    planes = Planes(store, attempt=0, uid=0, backend="nccl", timeout=timedelta(seconds=60))
-    timed("form generation 0 (NCCL data, Gloo control)", lambda: planes.form(Plan(0, [0]), lambda: False))
-    impl = type(dist.group.WORLD._get_backend(torch.device("cuda"))).__name__
-    print(f"data plane: {dist.get_backend()} ({impl}), eager init: {backends.init_options('nccl')}; "
+def check_planes(store: dist.TCPStore, in_place: bool = False, backend: str = "nccl") -> Planes:
+    device = "cuda" if backend == "nccl" else "cpu"
+    planes = Planes(store, attempt=0, uid=0, backend=backend, timeout=timedelta(seconds=60), in_place=in_place)
+    timed(f"form generation 0 ({backend} data, Gloo control)", lambda: planes.form(Plan(0, [0]), lambda: False))
+    impl = type(dist.group.WORLD._get_backend(torch.device(device))).__name__
+    print(f"data plane: {dist.get_backend()} ({impl}), eager init: {backends.init_options(backend)}; "
           f"control plane: {type(planes.control).__name__}; TORCH_NCCL_ASYNC_ERROR_HANDLING="
           f"{backends.NCCL_ENV['TORCH_NCCL_ASYNC_ERROR_HANDLING']}", flush=True)
-    timed("all_reduce 4 MiB (data) + allgather (control)", lambda: collectives_on_both_planes(planes))
-    tells = hasattr(dist.group.WORLD._get_backend(torch.device("cuda")), "get_error")
-    recorded = backends.async_error(dist.group.WORLD, "nccl")
+    timed("all_reduce 4 MiB (data) + allgather (control)", lambda: collectives_on_both_planes(planes, device))
+    tells = hasattr(dist.group.WORLD._get_backend(torch.device(device)), "get_error")
+    recorded = backends.async_error(dist.group.WORLD, backend)
     print(f"the watchdog's recorded failures readable at commit (Backend.get_error): {tells}; recorded after "
           f"healthy collectives: {recorded}", flush=True)
     assert recorded is None, recorded
     started = time.perf_counter()
-    timed("abort both planes (ncclCommAbort started, Gloo shutdown)", planes.abort)
+    timed("abort both planes (ncclCommAbort started, Gloo shutdown)", lambda: planes.abort(1))
     timed("form generation 1", lambda: planes.form(Plan(1, [0]), lambda: False))
     print(f"generation 0's abort still tearing down when generation 1 was formed: {not planes.wait_aborts(0)}",
           flush=True)
-    timed("collectives on generation 1", lambda: collectives_on_both_planes(planes))
+    timed("collectives on generation 1", lambda: collectives_on_both_planes(planes, device))
     assert planes.wait_aborts(60), "generation 0's abort did not end within 60 s"
     print(f"{'generation 0 aborted, from the abort on':<52} {1000 * (time.perf_counter() - started):8.1f} ms",
           flush=True)
     timed("release generation 0", planes.release)
     assert not planes.stale, "generation 0 was not released"
+    if in_place:
+        print(f"data group re-formed in place (torch's reconfigure): {planes.in_place}", flush=True)
     return planes
 
 
@@ -173,12 +183,26 @@ def check_manifest() -> None:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--planes", choices=["fresh", "native"],
+                        help="only the planes, the data group formed as --data-reconfigure says")
+    parser.add_argument("--backend", choices=["nccl", "gloo"], default="nccl",
+                        help="the data plane's backend of --planes (gloo: on the CPU)")
+    args = parser.parse_args()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    if args.planes and args.backend == "gloo":
+        check_planes(store, in_place=args.planes == "native", backend="gloo").destroy()
+        print(f"planes ({args.planes}, gloo): ok", flush=True)
+        return
     assert torch.cuda.is_available(), "no GPU visible"
     torch.cuda.set_device(0)
     backends.prepare("nccl")
     print(f"torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, "
           f"{torch.cuda.get_device_name(0)}", flush=True)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    if args.planes:
+        check_planes(store, in_place=args.planes == "native").destroy()
+        print(f"gpu check, planes ({args.planes}): ok", flush=True)
+        return
     planes = check_planes(store)
     check_step()
     check_stream_order()

@@ -5,7 +5,8 @@
 # workers sharing the GPU, one of them SIGKILLed and recovered in place, and again with --respawn, where the
 # replacement receives the CUDA state from a peer (scripts/gpu_drill.py); last, what torch's native in-place
 # reconfigure does on both NCCL backends with one rank (scripts/reconfigure_probe.py: store use, reconfigure after
-# ftrun's abort), reported and never failing the check. Needs a GPU and ftrun's dependencies (`pip
+# ftrun's abort) and ftrun's planes re-formed by it (gpu_check.py --planes native), reported
+# and never failing the check. Needs a GPU and ftrun's dependencies (`pip
 # install -e '.[gpu]'`, or torch, typer, rich, psutil and nvidia-ml-py already there); prints what it measured and
 # ends with "gpu check: all passed".
 #
@@ -27,5 +28,7 @@ python scripts/gpu_drill.py
 for nccl2 in 0 1; do  # the old NCCL backend and the rewritten one (torch 2.15's default)
   TORCH_DIST_USE_NCCL2=$nccl2 timeout 120 python scripts/reconfigure_probe.py --backend nccl \
     || echo "reconfigure probe (TORCH_DIST_USE_NCCL2=$nccl2): exited with $? (a finding, not a failure)"
+  TORCH_DIST_USE_NCCL2=$nccl2 timeout 120 python scripts/gpu_check.py --planes native \
+    || echo "planes in place (TORCH_DIST_USE_NCCL2=$nccl2): exited with $? (--data-reconfigure native is experimental)"
 done
 echo "gpu check: all passed"
