@@ -18,6 +18,9 @@ revision a watch must start from and the mod revision a compare-and-swap compare
 - Leases are etcd's own (``lease/grant``, ``lease/keepalive``): a key written on a lease is deleted by etcd
   once nobody has kept the lease alive for its TTL, on etcd's clock, so that whether a node is lost is
   decided once, in the cluster, not by each reader's clock.
+- Reads go as plain ranges (several at one revision), never as a transaction of reads only: etcd 3.5.0 to
+  3.5.4 panics when the client of a read-only transaction goes away before its answer (etcd-io/etcd#14110,
+  fixed in 3.5.5), which a SIGKILLed agent's client, the very fault ftrun recovers from, does.
 - With a user name, ftrun authenticates (``/v3/auth/authenticate``) and sends the token with each call,
   authenticating again when etcd refuses an expired one.
 
@@ -188,15 +191,20 @@ class EtcdKeyValue:
 
     def read_many(self, keys: Sequence[str], deleting: Sequence[str] = ()) -> list[bytes | None]:
         """Delete the keys in ``deleting``, then the value of each of ``keys`` (None where absent), in one
-        transaction (up to TXN_PUTS operations; a longer list takes more). What it learns (a key deleted, a key's
-        value) is noted for the open watches, so that a wait right after it does not take its own delete for
-        news."""
+        transaction (up to TXN_PUTS operations; a longer list takes more; reads past the deletes go as plain
+        ranges, see the module's docstring). What it learns (a key deleted, a key's value) is noted for the open
+        watches, so that a wait right after it does not take its own delete for news."""
         ops = [{"request_delete_range": {"key": b64(self._key(key))}} for key in deleting]
         ops += [{"request_range": {"key": b64(self._key(key))}} for key in keys]
         responses: list[tuple[Any, int]] = []
         try:
             for start in range(0, len(ops), TXN_PUTS):
-                answer = self._call("kv/txn", {"success": ops[start:start + TXN_PUTS]})
+                chunk = ops[start:start + TXN_PUTS]
+                if "request_delete_range" not in chunk[0]:  # reads only: no transaction of them
+                    found, revision = self._ranges([op["request_range"] for op in chunk])
+                    responses += [({"response_range": {"kvs": kvs}}, revision) for kvs in found]
+                    continue
+                answer = self._call("kv/txn", {"success": chunk})
                 revision = int(answer["header"]["revision"])
                 responses += [(response, revision) for response in answer.get("responses") or []]
             found = [(r["response_range"].get("kvs") or [], at) for r, at in responses[len(deleting):]]
@@ -286,23 +294,36 @@ class EtcdKeyValue:
 
     def _snapshot(self, keys: Sequence[str], prefixes: Sequence[str]) -> tuple[list[bytes | None], dict[str, list[str]],
                                                                                int]:
-        """In one transaction: the value of each of ``keys`` (None where absent), the names of the keys under each
-        of ``prefixes`` (not their values), and the revision they were read at."""
-        ops = [{"request_range": {"key": b64(self._key(key))}} for key in keys]
-        ops += [{"request_range": {"key": b64(self._key(prefix)), "range_end": b64(prefix_end(self._key(prefix))),
-                                   "keys_only": True}} for prefix in prefixes]
-        answer = self._call("kv/txn", {"success": ops})
+        """At one revision: the value of each of ``keys`` (None where absent), the names of the keys under each
+        of ``prefixes`` (not their values), and that revision."""
+        ops = [{"key": b64(self._key(key))} for key in keys]
+        ops += [{"key": b64(self._key(prefix)), "range_end": b64(prefix_end(self._key(prefix))), "keys_only": True}
+                for prefix in prefixes]
+        found, revision = self._ranges(ops)
         try:
-            found = [response["response_range"].get("kvs") or [] for response in answer.get("responses") or []]
             values = [_unb64(kvs[0].get("value", "")) if kvs else None for kvs in found[:len(keys)]]
             listed = {prefix: [_unb64(kv["key"])[len(self._prefix):].decode(errors="replace") for kv in kvs]
                       for prefix, kvs in zip(prefixes, found[len(keys):])}
-            revision = int(answer["header"]["revision"])
         except (AttributeError, KeyError, TypeError, ValueError, IndexError):
-            found = []
-        if len(found) != len(ops):
-            raise EtcdUnavailable("etcd: the answer to a transaction of reads is not etcd's")
+            raise EtcdUnavailable("etcd: the answer to a read is not etcd's") from None
         return values, listed, revision
+
+    def _ranges(self, requests: Sequence[dict[str, Any]]) -> tuple[list[list[Any]], int]:
+        """Each range request's key-values, every one read at the revision of the first (a plain range each, not a
+        transaction of reads: see the module's docstring), and that revision."""
+        found: list[list[Any]] = []
+        revision = 0
+        for request in requests:
+            answer = self._call("kv/range", {**request, "revision": str(revision)} if found else request)
+            try:
+                kvs = answer.get("kvs") or []
+                for kv in kvs:  # etcd's key-values each carry their mod revision, as a read of one is checked
+                    int(kv["mod_revision"])
+                revision = revision or int(answer["header"]["revision"])
+            except (AttributeError, KeyError, TypeError, ValueError):
+                raise EtcdUnavailable("etcd: the answer to a read is not etcd's") from None
+            found.append(kvs)
+        return found, revision
 
     def get(self, key: str) -> bytes:
         """The value under ``key``, waiting for it up to the client's timeout."""
