@@ -190,18 +190,15 @@ def main() -> None:
                         help="the data plane's backend of --planes (gloo: on the CPU)")
     args = parser.parse_args()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    if args.planes and args.backend == "gloo":
-        check_planes(store, in_place=args.planes == "native", backend="gloo").destroy()
-        print(f"planes ({args.planes}, gloo): ok", flush=True)
-        return
-    assert torch.cuda.is_available(), "no GPU visible"
-    torch.cuda.set_device(0)
-    backends.prepare("nccl")
-    print(f"torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, "
-          f"{torch.cuda.get_device_name(0)}", flush=True)
+    if args.backend == "nccl" or not args.planes:  # all but the planes on Gloo need the GPU
+        assert torch.cuda.is_available(), "no GPU visible"
+        torch.cuda.set_device(0)
+        backends.prepare("nccl")
+        print(f"torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, "
+              f"{torch.cuda.get_device_name(0)}", flush=True)
     if args.planes:
-        check_planes(store, in_place=args.planes == "native").destroy()
-        print(f"gpu check, planes ({args.planes}): ok", flush=True)
+        check_planes(store, in_place=args.planes == "native", backend=args.backend).destroy()
+        print(f"planes ({args.planes}, {args.backend}): ok", flush=True)
         return
     planes = check_planes(store)
     check_step()

@@ -192,8 +192,9 @@ class Planes:
 
     def start_alone(self) -> None:
         """Groups of this worker alone: a spare waits in them until a plan places it."""
-        handles = [self._handle(lambda: False)] if self.in_place else None
-        self._form(f"alone{self.uid}", -1, 0, 1, handles=handles, uuid=ALONE_UUID + self.uid)
+        handle = self._handle(lambda: False) if self.in_place else None
+        self._form(f"alone{self.uid}", -1, 0, 1, handles=[handle] if self.in_place else None,  # (read again:
+                   uuid=ALONE_UUID + self.uid)                                              # it may fall back)
 
     def form(self, plan: Plan, superseded: Callable[[], bool]) -> None:
         """Form ``plan``'s planes; raises :class:`Superseded` if a newer plan comes during the barrier.
@@ -350,7 +351,7 @@ class Planes:
         thread = threading.Thread(target=form_control, name="ftrun-control-plane", daemon=True)
         thread.start()
         try:
-            if handles is not None and self._reconfigurable is not None:
+            if handles is not None:
                 dist._reconfigure(uuid, handles, self._reconfigurable, self.timeout).wait()
             else:
                 dist.init_process_group(self.backend, store=self._data_store(keys.group_prefix(self.attempt, name),
