@@ -14,7 +14,7 @@ revision a watch must start from and the mod revision a compare-and-swap compare
 - ``add`` is a compare-and-swap on the key's mod revision, retried while another writer wins.
 - Several endpoints (``h1:2379,h2:2379,h3:2379``) are tried in turn, from a member drawn at random (the
   clients of a job spread over the cluster): a member that stops answering is left for the next, so losing
-  one member of three is not noticed by the job.
+  one member of three is not noticed by the job (:mod:`ftrun.store.etcd_cluster`).
 - Leases are etcd's own (``lease/grant``, ``lease/keepalive``): a key written on a lease is deleted by etcd
   once nobody has kept the lease alive for its TTL, on etcd's clock, so that whether a node is lost is
   decided once, in the cluster, not by each reader's clock.
@@ -31,18 +31,14 @@ from __future__ import annotations
 
 import base64
 import math
-import random
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ftrun.store.etcd_config import EtcdOptions, EtcdRefused, EtcdUnavailable, EtcdUnreachable
+from ftrun.store.etcd_config import EtcdOptions, EtcdUnavailable, EtcdUnreachable
 from ftrun.store.etcd_watch import KeyRange, OpenWatch, Watches, b64, prefix_end, range_for
-
-if TYPE_CHECKING:
-    from ftrun.store.etcd_http import Member
 
 TXN_PUTS = 128
 """Writes per transaction: etcd's default limit (--max-txn-ops)."""
@@ -64,12 +60,6 @@ def _counter(text: bytes | None) -> int:
     return int(text)
 
 
-def _body(answer: dict[str, Any]) -> dict[str, Any]:
-    """The message of an answer: a streaming call's (a keep-alive) is wrapped in ``result``."""
-    result = answer.get("result")
-    return result if isinstance(result, dict) and "header" not in answer else answer
-
-
 UNREACHABLE_PAUSE = 0.05
 """Seconds a wait pauses before it reads again when no member could be reached; doubled up to the next."""
 UNREACHABLE_PAUSE_MAX = 1.0
@@ -82,17 +72,12 @@ class EtcdKeyValue:
     """
 
     def __init__(self, options: EtcdOptions, timeout: float = 10.0) -> None:
-        from ftrun.store.etcd_http import Member, Tls  # only a job with the etcd backend needs urllib3
+        from ftrun.store.etcd_cluster import EtcdCluster  # only a job with the etcd backend needs urllib3
 
         self.options = options
         self.timeout = timeout
         self._prefix = options.prefix.encode()
-        tls = Tls(options.ca_cert, options.cert, options.key) if self._tls else None
-        self._members = [Member(host, port, tls, timeout) for host, port in options.endpoints]
-        # each client starts with a member drawn at random, as etcd's own client balances: every node is given
-        # the same endpoints, and a cluster whose nodes all started with the first would serve every call and
-        # every watch of the job (a plan's fan-out to each watcher above all) from that one member
-        self._current = random.randrange(len(self._members))
+        self._cluster = EtcdCluster(options, timeout)
         self._interrupted = threading.Event()
         self._watches = Watches()
         self._kept = Watches()  # read_watched's: watches that keep a few keys known (a leader's lease)
@@ -100,66 +85,7 @@ class EtcdKeyValue:
     @property
     def member_in_use(self) -> int:
         """Which of the endpoints (an index into ``options.endpoints``) the next call goes to first."""
-        return self._current
-
-    @property
-    def _tls(self) -> bool:
-        return self.options.https or bool(self.options.ca_cert or self.options.cert)
-
-    # ------------------------------------------------------------------ transport
-    def _authenticate(self, member: Member) -> None:
-        """Take a token for the configured user from ``member`` (skipped while it is down, or refuses: the call
-        that needed the token then says why). The password is read from its file each time, never kept."""
-        password = ""
-        if self.options.password_file:
-            try:
-                with open(self.options.password_file, encoding="utf-8") as handle:
-                    password = handle.read().strip()
-            except OSError as exc:
-                raise EtcdUnavailable(f"etcd: cannot read the password file: {exc.strerror}") from None
-        try:
-            answer = member.post("auth/authenticate", {"name": self.options.user, "password": password})
-        except (OSError, ValueError, EtcdRefused):
-            return
-        token = answer.get("token") if isinstance(answer, dict) else None
-        if isinstance(token, str):
-            member.headers["Authorization"] = token
-
-    def _call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """POST ``body`` to ``/v3/<path>`` on the first endpoint that answers, starting with the last good one."""
-        failures = []
-        for turn in range(len(self._members)):
-            index = (self._current + turn) % len(self._members)
-            try:
-                answer = self._post(self._members[index], path, body)
-            except OSError as exc:
-                host, port = self.options.endpoints[index]
-                failures.append(f"{host}:{port}: {exc}")
-                continue
-            self._current = index
-            return answer
-        raise EtcdUnreachable(f"no etcd endpoint answered ({'; '.join(failures)})")
-
-    def _post(self, member: Member, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """One call; a refused token is renewed once; any other refusal is EtcdUnavailable. With a user name, a
-        member is asked for a token before the first call to it (only the members a client uses are asked)."""
-        if self.options.user and "Authorization" not in member.headers:
-            self._authenticate(member)
-        for attempt in range(2):
-            try:
-                answer = member.post(path, body)
-            except ValueError:
-                raise EtcdUnavailable(f"etcd: the answer to {path} is not JSON") from None
-            except EtcdRefused as exc:
-                text = str(exc)
-                if attempt == 0 and self.options.user and "token" in text:
-                    self._authenticate(member)
-                    continue
-                raise EtcdUnavailable(f"etcd refused {path}: {text[:200]}") from None
-            if not isinstance(answer, dict) or not isinstance(_body(answer).get("header"), dict):
-                raise EtcdUnavailable(f"etcd: the answer to {path} is not etcd's (no header)")
-            return _body(answer)
-        raise EtcdUnavailable(f"etcd refused {path}")  # pragma: no cover -- the loop returns or raises
+        return self._cluster.current
 
     def _key(self, key: str) -> bytes:
         return self._prefix + key.encode()
@@ -167,7 +93,7 @@ class EtcdKeyValue:
     def _range(self, key: str) -> tuple[bytes | None, int, int]:
         """The key's value (None when absent), its mod revision (0 then), and the revision the read was made at;
         EtcdUnavailable for an answer that is not etcd's."""
-        answer = self._call("kv/range", {"key": b64(self._key(key))})
+        answer = self._cluster.call("kv/range", {"key": b64(self._key(key))})
         try:
             kvs = answer.get("kvs") or []
             revision = int(answer["header"]["revision"])
@@ -180,14 +106,14 @@ class EtcdKeyValue:
     # ------------------------------------------------------------------ KeyValue
     def set(self, key: str, value: str | bytes) -> None:
         """Write ``value`` under ``key``."""
-        self._call("kv/put", {"key": b64(self._key(key)), "value": b64(value)})
+        self._cluster.call("kv/put", {"key": b64(self._key(key)), "value": b64(value)})
 
     def set_many(self, items: list[tuple[str, str | bytes]]) -> None:
         """Write every ``(key, value)``, in order, up to TXN_PUTS in one transaction (one write, one fsync)."""
         for start in range(0, len(items), TXN_PUTS):
             puts = [{"request_put": {"key": b64(self._key(key)), "value": b64(value)}}
                     for key, value in items[start:start + TXN_PUTS]]
-            self._call("kv/txn", {"success": puts})
+            self._cluster.call("kv/txn", {"success": puts})
 
     def read_many(self, keys: Sequence[str], deleting: Sequence[str] = ()) -> list[bytes | None]:
         """Delete the keys in ``deleting``, then the value of each of ``keys`` (None where absent), in one
@@ -204,7 +130,7 @@ class EtcdKeyValue:
                     found, revision = self._ranges([op["request_range"] for op in chunk])
                     responses += [({"response_range": {"kvs": kvs}}, revision) for kvs in found]
                     continue
-                answer = self._call("kv/txn", {"success": chunk})
+                answer = self._cluster.call("kv/txn", {"success": chunk})
                 revision = int(answer["header"]["revision"])
                 responses += [(response, revision) for response in answer.get("responses") or []]
             found = [(r["response_range"].get("kvs") or [], at) for r, at in responses[len(deleting):]]
@@ -275,7 +201,7 @@ class EtcdKeyValue:
                 if self._interrupted.is_set():
                     raise EtcdUnavailable("etcd: the wait was interrupted")
                 return came
-            self._current = (self._current + 1) % len(self._members)  # a watch ended: its member went away
+            self._cluster.move_on()  # a watch ended: its member went away
 
     def _open(self, watches: Watches, ranges: set[KeyRange], revision: int,
               listed: dict[str, list[str]] | None = None) -> bool:
@@ -284,11 +210,11 @@ class EtcdKeyValue:
         goes to another)."""
         try:
             for key_range in ranges:
-                watches.add(OpenWatch(self._members[self._current], key_range, revision + 1, self._prefix,
+                watches.add(OpenWatch(self._cluster.member, key_range, revision + 1, self._prefix,
                                       watches.changed,
                                       (listed or {}).get(key_range.start) if key_range.prefix else None))
         except OSError:
-            self._current = (self._current + 1) % len(self._members)
+            self._cluster.move_on()
             return False
         return True
 
@@ -314,7 +240,7 @@ class EtcdKeyValue:
         found: list[list[Any]] = []
         revision = 0
         for request in requests:
-            answer = self._call("kv/range", {**request, "revision": str(revision)} if found else request)
+            answer = self._cluster.call("kv/range", {**request, "revision": str(revision)} if found else request)
             try:
                 kvs = answer.get("kvs") or []
                 for kv in kvs:  # etcd's key-values each carry their mod revision, as a read of one is checked
@@ -339,7 +265,7 @@ class EtcdKeyValue:
                        if value is not None
                        else {"key": encoded, "target": "CREATE", "result": "EQUAL", "create_revision": "0"})
             new = current + amount
-            answer = self._call("kv/txn", {"compare": [compare],
+            answer = self._cluster.call("kv/txn", {"compare": [compare],
                                            "success": [{"request_put": {"key": encoded, "value": b64(str(new))}}]})
             if answer.get("succeeded"):
                 return new
@@ -350,7 +276,7 @@ class EtcdKeyValue:
         call wrote it."""
         encoded = b64(self._key(key))
         compare = {"key": encoded, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
-        answer = self._call("kv/txn", {"compare": [compare],
+        answer = self._cluster.call("kv/txn", {"compare": [compare],
                                        "success": [{"request_put": {"key": encoded, "value": b64(value)}}]})
         return bool(answer.get("succeeded"))
 
@@ -366,7 +292,7 @@ class EtcdKeyValue:
 
     def delete_key(self, key: str) -> bool:
         """Delete ``key``; whether it existed."""
-        answer = self._call("kv/deleterange", {"key": b64(self._key(key))})
+        answer = self._cluster.call("kv/deleterange", {"key": b64(self._key(key))})
         return str(answer.get("deleted", "0")) != "0"
 
     def list_keys(self) -> list[str]:
@@ -378,7 +304,7 @@ class EtcdKeyValue:
         return self._read_range(self._key(prefix), keys_only=False)
 
     def _read_range(self, start: bytes, keys_only: bool) -> dict[str, bytes]:
-        answer = self._call("kv/range", {"key": b64(start), "range_end": b64(prefix_end(start)),
+        answer = self._cluster.call("kv/range", {"key": b64(start), "range_end": b64(prefix_end(start)),
                                          "keys_only": keys_only})
         try:
             return {_unb64(kv["key"])[len(self._prefix):].decode(errors="replace"): _unb64(kv.get("value", ""))
@@ -390,7 +316,7 @@ class EtcdKeyValue:
     def grant_lease(self, ttl: float) -> int:
         """A new lease that etcd ends ``ttl`` seconds after its last keep-alive (rounded up to whole seconds,
         etcd's unit; etcd raises a shorter one to its minimum, 1.5 election timeouts: 2 s by default)."""
-        answer = self._call("lease/grant", {"TTL": math.ceil(ttl), "ID": 0})
+        answer = self._cluster.call("lease/grant", {"TTL": math.ceil(ttl), "ID": 0})
         try:
             return int(answer["ID"])
         except (KeyError, TypeError, ValueError):
@@ -398,11 +324,11 @@ class EtcdKeyValue:
 
     def set_leased(self, key: str, value: str | bytes, lease: int) -> None:
         """Write ``value`` under ``key`` on ``lease``: etcd deletes it when the lease ends."""
-        self._call("kv/put", {"key": b64(self._key(key)), "value": b64(value), "lease": str(lease)})
+        self._cluster.call("kv/put", {"key": b64(self._key(key)), "value": b64(value), "lease": str(lease)})
 
     def keep_alive(self, lease: int) -> bool:
         """Renew ``lease`` for its TTL; False once etcd has ended it (and deleted its keys)."""
-        ttl = self._call("lease/keepalive", {"ID": str(lease)}).get("TTL")
+        ttl = self._cluster.call("lease/keepalive", {"ID": str(lease)}).get("TTL")
         try:
             return ttl is not None and int(ttl) > 0
         except (TypeError, ValueError):
@@ -411,14 +337,14 @@ class EtcdKeyValue:
     def end_lease_of(self, key: str) -> None:
         """End the lease ``key`` is written on (etcd deletes its keys and refuses its next keep-alive);
         nothing when the key is gone or on no lease."""
-        answer = self._call("kv/range", {"key": b64(self._key(key))})
+        answer = self._cluster.call("kv/range", {"key": b64(self._key(key))})
         try:
             lease = int((answer.get("kvs") or [{}])[0].get("lease", 0))
         except (AttributeError, TypeError, ValueError, IndexError):
             raise EtcdUnavailable(f"etcd: the answer to a read of {key} is not etcd's") from None
         if lease:
             try:
-                self._call("lease/revoke", {"ID": str(lease)})
+                self._cluster.call("lease/revoke", {"ID": str(lease)})
             except EtcdUnavailable as exc:
                 if "not found" not in str(exc):
                     raise  # ended already otherwise: what was asked

@@ -195,15 +195,15 @@ def test_a_user_and_password_file_authenticate_and_an_invalidated_token_is_renew
         conf = {"user": "root", "password_file": str(password)}
         kv = EtcdKeyValue(etcd_options(cluster.endpoints, "auth", conf), 5)
         kv.set("k", "1")
-        first = kv._members[0].headers["Authorization"]
+        first = kv._cluster.member.headers["Authorization"]
         # etcd drops a user's tokens when its password changes: the client's next call is refused, and it
         # authenticates again from the file
         admin = EtcdKeyValue(etcd_options(cluster.endpoints, "auth", conf), 5)
         admin.set("other", "x")
-        api.headers["Authorization"] = admin._members[0].headers["Authorization"]
+        api.headers["Authorization"] = admin._cluster.member.headers["Authorization"]
         api.post("auth/user/changepw", {"name": "root", "password": "pw"})
         assert kv.get("k") == b"1" and kv.add("n", 1) == 1
-        assert kv._members[0].headers["Authorization"] != first  # a new token was taken
+        assert kv._cluster.member.headers["Authorization"] != first  # a new token was taken
         with pytest.raises(EtcdUnavailable, match="user name is empty"):
             EtcdKeyValue(etcd_options(cluster.endpoints, "auth", {}), 5).set("k", "2")
         cluster.members[0].kill()  # a client that starts while its member is down authenticates once it is back
