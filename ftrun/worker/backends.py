@@ -15,7 +15,11 @@ torch/distributed/distributed_c10d.py); see the README section "How recovery wor
 * Abort: ``ProcessGroup.abort`` (ncclCommAbort) of every group, each on a thread of its own started from
   the channel thread the moment a new plan arrives, so a kernel waiting for a dead peer is freed at once.
   The next generation does not wait for the communicators' teardown (about a second): the aborted groups
-  leave torch's registry as ``_abort_process_group`` would remove them, and are freed once aborted.
+  leave torch's registry as ``_abort_process_group`` would remove them, and are freed once aborted. A group
+  made for reconfigure (``--data-reconfigure native``) is aborted the same way and kept: torch 2.15's NCCL
+  backend then revokes its communicator (``ncclCommRevoke``) instead of tearing it down, and never ends the
+  process for a failure it sees itself (torch/csrc/distributed/c10d/nccl2/ProcessGroupNCCL.cpp: ``abort``,
+  ``handleWatchdogFailure``, ``abortProcess``).
 """
 
 from __future__ import annotations

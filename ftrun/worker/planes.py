@@ -27,10 +27,13 @@ group. A reconfigure rendezvouses through the store the group was made with, key
 uuid (Gloo and torch 2.15's NCCL backend alike: scripts/reconfigure_probe.py), so every process of an attempt
 makes its group on one prefix, a spare's alone included, and each reconfigure takes a uuid no other takes on
 it: the generation's (plus one), or for a spare alone one of its own. Each member's handle travels as the
-value of its barrier key: no second rendezvous. At a plan the data group is not aborted on NCCL (its reconfigure
-revokes what is pending: pytorch#189359); Gloo's connections are shut down as in the fresh mode (its
-reconfigure leaves collectives in flight blocked). A new leader's store (a moved rendezvous) gets a new
-group made for reconfigure.
+value of its barrier key: no second rendezvous. At a plan the data group is aborted as in the fresh mode, and
+kept: torch 2.15's NCCL backend revokes a group made for reconfigure (``ncclCommRevoke``) where it would tear
+another down, so a kernel waiting for a dead peer ends at the plan, not at the reconfigure, and the reconfigure
+then replaces the revoked communicator (torch/csrc/distributed/c10d/nccl2/ProcessGroupNCCL.cpp ``abort``,
+ReconfigureNCCL.cpp). The reconfigure waits for that abort to end: neither locks against the other. Gloo's
+connections are shut down as in the fresh mode (its reconfigure leaves collectives in flight blocked). A new
+leader's store (a moved rendezvous) gets a new group made for reconfigure.
 """
 
 from __future__ import annotations
@@ -185,9 +188,6 @@ class Planes:
         if self._reconfigurable is not None:  # its store is gone: the group goes as a fresh one would, and the
             self.abort(sys.maxsize)           # next is made for reconfigure on the new store
             self._reconfigurable = self._reconfigurable_store = None
-            with self._lock:
-                if self.current is not None:
-                    self.current.aborts += backends.abort(self.current.data)
             self._retire()
 
     def start_alone(self) -> None:
@@ -228,6 +228,7 @@ class Planes:
         if self.in_place:  # each member's handle, in rank order: rank r is the r-th handle's
             in_order = [arrived[uid] for uid in sorted(plan.members, key=plan.rank_of)]
             handles = [value.decode() for value in self.store.multi_get(in_order)]
+            self.wait_aborts(self.timeout.total_seconds())  # NCCL's revoke ends before its reconfigure begins
         self._form(f"g{plan.gen}", plan.gen, plan.rank_of(self.uid), plan.world_size, superseded, handles=handles,
                    uuid=plan.gen + 1)
 
@@ -246,7 +247,7 @@ class Planes:
             if current is None or current.gen >= before or current in self._aborted:
                 return
             self._aborted.append(current)
-            current.aborts = [] if self._reconfigurable is not None else backends.abort(current.data)
+            current.aborts = backends.abort(current.data)
             _shut_down(current.sockets)
 
     def release(self) -> None:

@@ -365,3 +365,42 @@ def test_in_place_the_data_group_is_made_once_and_reconfigured_at_each_generatio
         assert planes.in_place
     finally:
         planes.destroy()
+
+
+@pytest.mark.fast
+@pytest.mark.skipif(not backends.reconfigures_in_place("native"), reason="this torch has no in-place reconfigure")
+def test_in_place_the_plan_aborts_the_data_group_keeps_it_and_reconfigures_it_once_the_abort_ended(free_port,
+                                                                                                  monkeypatch):
+    # torch 2.15's NCCL backend revokes a group made for reconfigure where it would tear another down, so the
+    # plan aborts it as in the fresh mode (a kernel waiting for a dead peer ends then, not at the reconfigure),
+    # the group stays, and its reconfigure, which replaces the revoked communicator, begins only once the abort
+    # has ended (neither locks against the other). Gloo's group is aborted here as NCCL's would be; its abort
+    # ends only once the reconfigure's side waits for it, so a reconfigure that did not wait would overlap it.
+    aborted, waiting, ended, overlapped = [], threading.Event(), threading.Event(), []
+
+    def abort(group: dist.ProcessGroup) -> None:
+        aborted.append(group)
+        waiting.wait(60)
+        ended.set()
+
+    wait_aborts, reconfigure = Planes.wait_aborts, dist._reconfigure
+    monkeypatch.setattr(backends, "ABORTING", ("gloo",))
+    monkeypatch.setattr(dist.ProcessGroup, "abort", abort)
+    monkeypatch.setattr(Planes, "wait_aborts", lambda self, timeout: waiting.set() or wait_aborts(self, timeout))
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    planes = Planes(open_client("127.0.0.1", store.port, 30), 0, 0, "gloo", timedelta(seconds=30), in_place=True)
+    try:
+        planes.form(Plan(0, [0]), lambda: False)
+        group = dist.group.WORLD
+        monkeypatch.setattr(dist, "_reconfigure", lambda *args: overlapped.append(not ended.is_set()) or
+                            reconfigure(*args))
+        planes.abort(1)  # the channel thread, as the plan arrives
+        assert aborted == [group]
+        planes.form(Plan(1, [0]), lambda: False)
+        tensor = torch.ones(2)
+        dist.all_reduce(tensor)
+        assert overlapped == [False]
+        assert dist.group.WORLD is group and planes.current.data is group and tensor.tolist() == [1.0, 1.0]
+    finally:
+        waiting.set()
+        planes.destroy()
