@@ -24,6 +24,7 @@ torch/distributed/distributed_c10d.py); see the README section "How recovery wor
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import threading
@@ -65,6 +66,17 @@ def prepare(backend: str) -> None:
     if "nccl" in backend:
         for name, value in NCCL_ENV.items():
             os.environ.setdefault(name, value)
+
+
+def on_own_device(backend: str) -> contextlib.AbstractContextManager[Any]:
+    """This rank's GPU as the current CUDA device for the block, where the backend runs on CUDA: a group made
+    for reconfigure is bound to no device (``device_id`` would build its communicator at init, for a world it
+    is not), and torch 2.15's NCCL backend binds it at its first reconfigure to the current device
+    (torch/csrc/distributed/c10d/nccl2/ReconfigureNCCL.cpp), which, before the script picks its GPU, is GPU 0
+    for every rank of a node. Elsewhere nothing."""
+    if "cuda" in served(backend) and torch.cuda.is_available():
+        return torch.cuda.device(device_of("cuda"))
+    return contextlib.nullcontext()
 
 
 def init_options(backend: str) -> dict[str, Any]:

@@ -353,7 +353,8 @@ class Planes:
         thread.start()
         try:
             if handles is not None:
-                dist._reconfigure(uuid, handles, self._reconfigurable, self.timeout).wait()
+                with backends.on_own_device(self.backend):
+                    dist._reconfigure(uuid, handles, self._reconfigurable, self.timeout).wait()
             else:
                 dist.init_process_group(self.backend, store=self._data_store(keys.group_prefix(self.attempt, name),
                                                                              superseded),

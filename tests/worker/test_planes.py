@@ -404,3 +404,34 @@ def test_in_place_the_plan_aborts_the_data_group_keeps_it_and_reconfigures_it_on
     finally:
         waiting.set()
         planes.destroy()
+
+
+@pytest.mark.fast
+@pytest.mark.skipif(not backends.reconfigures_in_place("native"), reason="this torch has no in-place reconfigure")
+def test_in_place_the_reconfigure_runs_on_the_ranks_own_gpu(free_port, monkeypatch):
+    # torch 2.15's NCCL backend binds a group made for reconfigure to the current CUDA device at its first
+    # reconfigure: unless ftrun makes the rank's own GPU current for it, every rank of a node would take GPU 0
+    # (ftrun.init runs before the script picks its GPU). Four GPUs are faked under torch.cuda's device switch,
+    # the lowest layer torch.cuda.device goes through; the data group stays Gloo's.
+    current, during = [0], []
+
+    def exchange(index: int) -> int:
+        previous, current[0] = current[0], index if index >= 0 else current[0]
+        return previous
+
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "_exchange_device", exchange)
+    monkeypatch.setattr(torch.cuda, "_maybe_exchange_device", exchange)
+    reconfigure = dist._reconfigure
+    monkeypatch.setattr(dist, "_reconfigure", lambda *args: during.append(current[0]) or reconfigure(*args))
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    planes = Planes(open_client("127.0.0.1", store.port, 30), 0, 0, "gloo", timedelta(seconds=30), in_place=True)
+    try:
+        planes.form(Plan(0, [0]), lambda: False)
+        planes.abort(1)
+        planes.form(Plan(1, [0]), lambda: False)
+        assert during == [2, 2] and current == [0]  # the script's own choice is left as it was
+    finally:
+        planes.destroy()
