@@ -27,8 +27,8 @@ def client(cluster: Cluster, run_id: str) -> EtcdKeyValue:
 def counting(kv: EtcdKeyValue) -> list[str]:
     """The paths of every call ``kv`` makes from now on (reads, writes; not a watch's stream)."""
     calls: list[str] = []
-    call = kv._call
-    kv._call = lambda path, body: (calls.append(path), call(path, body))[1]  # type: ignore[method-assign]
+    call = kv._cluster.call
+    kv._cluster.call = lambda path, body: (calls.append(path), call(path, body))[1]  # type: ignore[method-assign]
     return calls
 
 
@@ -172,8 +172,8 @@ def test_no_read_goes_as_a_transaction_of_reads_only(etcd_cluster):
     reader, writer = client(etcd_cluster, "reads"), client(etcd_cluster, "reads")
     writer.set_many([("a", b"1"), ("b", b"2")])
     bodies: list[tuple[str, dict]] = []
-    call = reader._call
-    reader._call = lambda path, body: (bodies.append((path, body)), call(path, body))[1]  # type: ignore[method-assign]
+    call = reader._cluster.call
+    reader._cluster.call = lambda path, body: (bodies.append((path, body)), call(path, body))[1]  # type: ignore[method-assign]
     assert reader.read_many(["a", "b", "c"]) == [b"1", b"2", None]
     assert reader.read_many(["a"], deleting=["b"]) == [b"1"]
     assert reader.read_watched(["a", "c"]) == [b"1", None]
