@@ -77,7 +77,7 @@ def check_planes(store: dist.TCPStore, in_place: bool = False, backend: str = "n
           f"healthy collectives: {recorded}", flush=True)
     assert recorded is None, recorded
     started = time.perf_counter()
-    timed("abort both planes (ncclCommAbort started, Gloo shutdown)", lambda: planes.abort(1))
+    timed("abort both planes (NCCL's abort started: in place a revoke; Gloo shutdown)", lambda: planes.abort(1))
     timed("form generation 1", lambda: planes.form(Plan(1, [0]), lambda: False))
     print(f"generation 0's abort still tearing down when generation 1 was formed: {not planes.wait_aborts(0)}",
           flush=True)
