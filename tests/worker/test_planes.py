@@ -323,6 +323,7 @@ def test_a_survivors_file_descriptors_and_threads_stay_flat_over_20_generations(
 
 
 @pytest.mark.fast
+@pytest.mark.compat
 @pytest.mark.skipif(not backends.reconfigures_in_place("native"), reason="this torch has no in-place reconfigure")
 def test_a_backend_that_cannot_reconfigure_leaves_the_worker_forming_fresh_groups_in_one_line(free_port, monkeypatch,
                                                                                              capsys):
@@ -344,6 +345,7 @@ def test_a_backend_that_cannot_reconfigure_leaves_the_worker_forming_fresh_group
 
 
 @pytest.mark.fast
+@pytest.mark.compat
 @pytest.mark.skipif(not backends.reconfigures_in_place("native"), reason="this torch has no in-place reconfigure")
 def test_in_place_the_data_group_is_made_once_and_reconfigured_at_each_generation(free_port):
     store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
@@ -368,6 +370,7 @@ def test_in_place_the_data_group_is_made_once_and_reconfigured_at_each_generatio
 
 
 @pytest.mark.fast
+@pytest.mark.compat
 @pytest.mark.skipif(not backends.reconfigures_in_place("native"), reason="this torch has no in-place reconfigure")
 def test_in_place_the_plan_aborts_the_data_group_keeps_it_and_reconfigures_it_once_the_abort_ended(free_port,
                                                                                                   monkeypatch):
@@ -407,6 +410,7 @@ def test_in_place_the_plan_aborts_the_data_group_keeps_it_and_reconfigures_it_on
 
 
 @pytest.mark.fast
+@pytest.mark.compat
 @pytest.mark.skipif(not backends.reconfigures_in_place("native"), reason="this torch has no in-place reconfigure")
 def test_in_place_the_reconfigure_runs_on_the_ranks_own_gpu(free_port, monkeypatch):
     # torch 2.15's NCCL backend binds a group made for reconfigure to the current CUDA device at its first
