@@ -68,13 +68,19 @@ def prepare(backend: str) -> None:
             os.environ.setdefault(name, value)
 
 
+def data_device_type(backend: str) -> str:
+    """The device type the data plane's collectives run on here: cuda where the backend takes CUDA tensors and
+    a GPU is visible, else cpu."""
+    return "cuda" if "cuda" in served(backend) and torch.cuda.is_available() else "cpu"
+
+
 def on_own_device(backend: str) -> contextlib.AbstractContextManager[Any]:
     """This rank's GPU as the current CUDA device for the block, where the backend runs on CUDA: a group made
     for reconfigure is bound to no device (``device_id`` would build its communicator at init, for a world it
     is not), and torch 2.15's NCCL backend binds it at its first reconfigure to the current device
     (torch/csrc/distributed/c10d/nccl2/ReconfigureNCCL.cpp), which, before the script picks its GPU, is GPU 0
     for every rank of a node. Elsewhere nothing."""
-    if "cuda" in served(backend) and torch.cuda.is_available():
+    if data_device_type(backend) == "cuda":
         return torch.cuda.device(device_of("cuda"))
     return contextlib.nullcontext()
 
@@ -97,7 +103,7 @@ def async_error(group: dist.ProcessGroup, backend: str) -> str | None:
     watchdog) before it aborts the communicator, after which the kernel under it ends, its sum not a sum: once
     a step's kernels have ended, a failure among them is known here. Gloo's errors reach its futures; it
     answers SUCCESS."""
-    kind = "cuda" if "cuda" in served(backend) and torch.cuda.is_available() else "cpu"
+    kind = data_device_type(backend)
     get_backend = getattr(group, "_get_backend", None)
     try:
         get_error = getattr(get_backend(torch.device(kind)), "get_error", None) if get_backend else None
