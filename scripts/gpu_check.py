@@ -5,11 +5,13 @@ Run by scripts/gpu_check.sh on a machine with a GPU. World size 1 (NCCL allows o
 1. the planes: generation 0 formed through ftrun's ``Planes`` (NCCL data group with eager init, Gloo control
    group), a collective on each, the abort of both, generation 1 formed while generation 0's communicator
    is still being torn down, collectives again, the stale one released once its abort is done;
-2. the step path on CUDA tensors: stock DDP with ftrun's comm hook (1 MB buckets) and the loss summed in
-   ``finish``, against the gradients and loss of the same model without DDP;
+2. the step path on CUDA tensors: stock DDP with ftrun's comm hook (1 MB buckets) and the loss summed on the
+   first bucket's all-reduce (read in ``finish``), against the gradients and loss of the same model without
+   DDP;
 3. the stream order of the step's results: a collective that writes its result late on a stream of its own
    and marks its future done at once (as NCCL does), read through the comm hook's future as DDP reads a bucket
-   and through the step's wait as ``finish`` reads the loss: both must see the result, not what was there;
+   and as ``finish`` reads the loss, on its own or carried by the bucket: each must see the result, not what
+   was there;
 4. the transfer's manifest of a CUDA model and Adam state: which tensors travel on the data plane, the
    receiver's in-place targets on the GPU;
 5. the comm hook's cost per bucket call on CUDA tensors and NCCL, against a minimal Python hook
@@ -20,7 +22,8 @@ Prints one line per check, the torch and NCCL versions and the backend class "nc
 ``--planes fresh|native``: only the planes (1), in that mode of ``--data-reconfigure`` (native: the data group
 made once and re-formed by torch's in-place reconfigure at each generation; where the backend cannot, it says
 so and the generations form fresh groups). With ``--backend gloo`` on the CPU: what the test suite runs of
-this script (tests/test_scripts.py), so that the check's own code is run where no GPU is.
+this script (tests/test_scripts.py), the planes and the step path (2) on CPU tensors, so that the check's own
+code is run where no GPU is.
 """
 
 from __future__ import annotations
@@ -92,11 +95,11 @@ def check_planes(store: dist.TCPStore, in_place: bool = False, backend: str = "n
     return planes
 
 
-def check_step() -> None:
+def check_step(device: str = "cuda") -> None:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)]).cuda()
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)]).to(device)
     reference = [p.detach().clone() for p in model.parameters()]
-    inputs = torch.randn(64, 1024, device="cuda")
+    inputs = torch.randn(64, 1024, device=device)
     collectives = StepCollectives(threading.Condition(), None)
     ddp = DistributedDataParallel(model, bucket_cap_mb=1)
     ddp.register_comm_hook(dist.group.WORLD, collectives.hook)
@@ -105,13 +108,14 @@ def check_step() -> None:
     def step() -> None:
         collectives.begin()
         loss = ddp(inputs).square().mean()
+        collectives.start_loss(loss, lambda _: dist.group.WORLD, with_first_bucket=True)  # as Session.backward
         loss.backward()
         ok, summed = collectives.finish(loss, lambda _: dist.group.WORLD)
         assert ok, "the step's collectives failed"
         total.append(summed)
 
-    timed("DDP step on CUDA through ftrun's hook and finish", step)
-    plain = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)]).cuda()
+    timed(f"DDP step on {device} through ftrun's hook and finish", step)
+    plain = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)]).to(device)
     with torch.no_grad():
         for p, r in zip(plain.parameters(), reference):
             p.copy_(r)
@@ -119,9 +123,9 @@ def check_step() -> None:
     loss.backward()
     for p, q in zip(model.parameters(), plain.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7), "gradients differ from a plain backward"
-    assert abs(total[0] - float(loss)) <= 1e-5 * abs(float(loss)), (total[0], float(loss))
-    print(f"hook and commit on CUDA: gradients match a plain backward, loss {total[0]:.6g} summed on the data "
-          f"plane", flush=True)
+    assert abs(total[0] - loss.item()) <= 1e-5 * abs(loss.item()), (total[0], loss.item())
+    print(f"hook and commit on {device}: gradients match a plain backward, loss {total[0]:.6g} summed on the data "
+          f"plane, carried by the first bucket", flush=True)
 
 
 class LateGroup:
@@ -159,11 +163,18 @@ def check_stream_order() -> None:
     loss = torch.zeros(1, device="cuda")
     collectives.wait(group.allreduce([loss]))
     loss_seen = loss.clone()  # finish()'s read of the summed loss
+    collectives.begin()  # the next step: its loss carried by the bucket, copied out of it in the hook's callback
+    carried, second = torch.zeros((), device="cuda"), torch.zeros(1 << 20, device="cuda")
+    collectives.start_loss(carried, lambda _: group, with_first_bucket=True)
+    second_seen = collectives.hook(group, SimpleNamespace(buffer=lambda: second)).wait().clone()
+    ok, carried_seen = collectives.finish(carried, lambda _: group)
     torch.cuda.synchronize()
     assert float(bucket_seen.min()) == 1.0, "a bucket was read through the hook's future before its all-reduce ran"
     assert float(loss_seen) == 1.0, "the loss was read after the step's wait before its all-reduce ran"
+    assert float(second_seen.min()) == 1.0, "a bucket carrying the loss was read before its all-reduce ran"
+    assert ok and carried_seen == 1.0, f"the carried loss was read before its all-reduce ran ({carried_seen})"
     print("stream order: a late collective's bucket and loss are read after it, through the hook's future and "
-          "the step's wait", flush=True)
+          "the step's wait, the loss on its own and carried by the bucket", flush=True)
 
 
 def check_manifest() -> None:
@@ -197,7 +208,10 @@ def main() -> None:
         print(f"torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, "
               f"{torch.cuda.get_device_name(0)}", flush=True)
     if args.planes:
-        check_planes(store, in_place=args.planes == "native", backend=args.backend).destroy()
+        planes = check_planes(store, in_place=args.planes == "native", backend=args.backend)
+        if args.backend == "gloo":
+            check_step("cpu")
+        planes.destroy()
         print(f"planes ({args.planes}, {args.backend}): ok", flush=True)
         return
     planes = check_planes(store)

@@ -199,9 +199,11 @@ class Session:
         self.channel.send(protocol.FINISHED, step=self.committed_step)
 
     def backward(self, loss: torch.Tensor, scale: float = 1.0) -> None:
-        """``loss.backward()`` (of ``loss * scale``), with the sum of ``loss`` over the ranks started first, so
-        that it runs beside the backward pass instead of after it; pass the same ``loss`` to :meth:`commit`."""
-        self.collectives.start_loss(loss, self._loss_group)
+        """``loss.backward()`` (of ``loss * scale``), with the sum of ``loss`` over the ranks started beside it
+        instead of after it (carried by the first gradient bucket of a DDP model from :meth:`ddp`, when one syncs
+        in this pass); pass the same ``loss`` to :meth:`commit`."""
+        syncs = any(model.require_backward_grad_sync for model, _ in self._ddps)  # False under no_sync()
+        self.collectives.start_loss(loss, self._loss_group, with_first_bucket=syncs)
         (loss * scale if scale != 1.0 else loss).backward()
 
     def commit(self, optimizer: torch.optim.Optimizer, loss: torch.Tensor | None = None) -> float | None:

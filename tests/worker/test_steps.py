@@ -147,6 +147,72 @@ def test_a_failure_the_backend_recorded_fails_the_step_at_its_commit():
     assert collectives.finish(None, lambda _: _Group(), lambda: None) == (True, None)
 
 
+class _Recording:
+    """A real group that records what each all-reduce sums: its number of elements and its type."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.reduced: list[tuple[int, torch.dtype]] = []
+
+    def allreduce(self, tensors: list[torch.Tensor]) -> dist.Work:
+        self.reduced.append((tensors[0].numel(), tensors[0].dtype))
+        return self.group.allreduce(tensors)
+
+
+def two_ranks(step) -> list:  # noqa: ANN001 -- step(rank, collectives, group) -> its result
+    """Run ``step`` on the two ranks of a real Gloo group, one thread each; their results."""
+    store = dist.HashStore()
+    results: list = [None, None]
+
+    def rank(r: int) -> None:
+        group = _Recording(dist.ProcessGroupGloo(store, r, 2, timedelta(seconds=60)))
+        results[r] = (step(r, step_begun(), group), group.reduced)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(thread.is_alive() for thread in threads)
+    return results
+
+
+LOSSES = (0.25, 1.5)
+
+
+def a_step(dtype: torch.dtype, buckets: int = 2, with_first_bucket: bool = True):  # noqa: ANN201
+    """One step of a rank: its loss started, ``buckets`` buckets of ``dtype`` through the hook, the commit."""
+    def step(r: int, collectives: StepCollectives, group: _Recording) -> tuple:
+        loss = torch.tensor(LOSSES[r], dtype=torch.float32)
+        collectives.start_loss(loss, lambda _: group, with_first_bucket=with_first_bucket)
+        grads = [torch.full((4,), float(r + 1 + b), dtype=dtype) for b in range(buckets)]
+        for grad in grads:
+            assert collectives.hook(group, _Bucket(grad)).wait() is grad
+        return collectives.finish(loss, lambda _: group), [grad.tolist() for grad in grads]
+    return step
+
+
+@pytest.mark.fast
+def test_the_loss_rides_on_the_steps_first_bucket_and_both_come_back_summed():
+    for (finished, grads), reduced in two_ranks(a_step(torch.float32)):
+        assert finished == (True, sum(LOSSES))
+        assert grads == [[3.0] * 4, [5.0] * 4]  # 1+2, 2+3: the bucket summed, without the loss's element
+        assert reduced == [(5, torch.float32), (4, torch.float32)]  # no collective of the loss's own
+
+
+@pytest.mark.fast
+def test_a_loss_no_bucket_can_carry_is_summed_on_its_own():
+    for (finished, grads), reduced in two_ranks(a_step(torch.bfloat16)):  # a 16-bit bucket would round it
+        assert finished == (True, sum(LOSSES))
+        assert grads == [[3.0] * 4, [5.0] * 4]
+        assert reduced == [(1, torch.float64), (4, torch.bfloat16), (4, torch.bfloat16)]  # first, beside the pass
+    for (finished, _), reduced in two_ranks(a_step(torch.float32, buckets=0)):  # no DDP gradients this pass
+        assert finished == (True, sum(LOSSES)) and reduced == [(1, torch.float64)]  # at the commit
+    for (finished, _), reduced in two_ranks(a_step(torch.float32, with_first_bucket=False)):  # under no_sync()
+        assert finished == (True, sum(LOSSES)) and reduced == [(1, torch.float64), (4, torch.float32),
+                                                               (4, torch.float32)]
+
+
 ERROR_TYPE = getattr(torch._C._distributed_c10d, "ErrorType", None)  # what get_error answers, where torch has it
 
 
