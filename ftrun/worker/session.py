@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import faulthandler
-import inspect
 import os
 import sys
 import threading
@@ -26,6 +25,7 @@ from ftrun.protocol import Plan, initial_members
 from ftrun.store.client import open_client
 from ftrun.worker import backends, transfer
 from ftrun.worker.channel import AgentChannel
+from ftrun.worker.ddp_models import DdpModels
 from ftrun.worker.entered import EnteredNotice
 from ftrun.worker.injected import WorkerDrills
 from ftrun.worker.links import LinkFailure
@@ -65,7 +65,6 @@ class Session:
         self.committed_step = -1
         self.gen = 0
         self.members: list[int] = []  # the uids of generation ``gen``, in rank order
-        self._ddps: list[tuple[DistributedDataParallel, dict[str, Any]]] = []
         self._cond = threading.Condition()
         self._state_lock = threading.Lock()  # held while the state changes: a rescue never sees half of it
         self._latest: Plan | None = None
@@ -78,6 +77,7 @@ class Session:
         self.entered: EnteredNotice | None = None
         self.progress: ProgressNotice | None = None
         self.collectives = StepCollectives(self._cond, self._entered)
+        self._ddps = DdpModels(self.collectives)
         atexit.register(self._shut_down)
         if not self.managed:  # torch's own error handling: a failed collective ends the process, torchrun restarts
             dist.init_process_group(self.backend, timeout=timeout, **backends.init_options(self.backend))
@@ -123,10 +123,7 @@ class Session:
         The hook turns a failed or abandoned all-reduce into a discarded step instead of an exception
         in ``backward()``. Gradients are summed, not averaged: divide the loss by the global batch size.
         """
-        model = DistributedDataParallel(module, **kwargs)
-        model.register_comm_hook(dist.group.WORLD, self.collectives.hook)
-        self._ddps.append((model, kwargs))
-        return model
+        return self._ddps.wrap(module, **kwargs)
 
     def protect(self, rebuild: Rebuild | None = None, refresh_every: int = 1, **objects: Stateful) -> None:
         """Register the state a peer sends to a rank that is behind: models, optimizers, schedulers...
@@ -202,8 +199,7 @@ class Session:
         """``loss.backward()`` (of ``loss * scale``), with the sum of ``loss`` over the ranks started beside it
         instead of after it (carried by the first gradient bucket of a DDP model from :meth:`ddp`, when one syncs
         in this pass); pass the same ``loss`` to :meth:`commit`."""
-        syncs = any(model.require_backward_grad_sync for model, _ in self._ddps)  # False under no_sync()
-        self.collectives.start_loss(loss, self._loss_group, with_first_bucket=syncs)
+        self.collectives.start_loss(loss, self._loss_group, with_first_bucket=self._ddps.sync())
         (loss * scale if scale != 1.0 else loss).backward()
 
     def commit(self, optimizer: torch.optim.Optimizer, loss: torch.Tensor | None = None) -> float | None:
@@ -227,7 +223,7 @@ class Session:
         if self.progress is not None:  # committed: the agent learns it before the work that follows a commit
             self.progress.committed(self.gen, self._step, time.monotonic() - self._step_started)
         self._refresh()
-        self._rebuild_buckets()
+        self._ddps.rebuild_buckets()
         if self.planes is not None and self.planes.stale:
             self._release_stale()
         return total
@@ -246,22 +242,6 @@ class Session:
         if self.planes is None or loss.device.type in backends.served(self.backend):
             return dist.group.WORLD
         return self.planes.control
-
-    def _rebuild_buckets(self) -> None:
-        """Run DDP's one-time bucket rebuild (a broadcast) now, not in the next forward pass.
-
-        A fresh DDP (at the start, and after each recovery) rebuilds its buckets once, at the start of
-        its second forward pass: a collective outside the comm hook, which would raise in the user's
-        ``model(x)`` if a peer died then. Here, a failure is left for the next step to meet, as any other.
-        """
-        if not torch.is_grad_enabled():
-            return
-        for model, _ in self._ddps:
-            try:
-                if model.reducer._rebuild_buckets():
-                    model._has_rebuilt_buckets = True
-            except RuntimeError:
-                return  # the group broke: the next step's collectives fail too and recovery follows
 
     def _entered(self) -> None:
         """The step's first collective started: the agent's hang watchdog learns it if the step stays there."""
@@ -380,7 +360,7 @@ class Session:
                     t2 = time.time()
                     phase = "transfer"
                     self._transfer(best, source, behind)
-                self._rebuild_ddp()  # after the transfer: every rank now holds the same state
+                self._ddps.rebind()  # after the transfer: every rank now holds the same state
                 t3 = time.time()
             except (Superseded, CollectiveFailed, LinkFailure, dist.DistError) as exc:
                 if not isinstance(exc, Superseded) and not superseded():
@@ -500,18 +480,6 @@ class Session:
         exchanges.setdefault("cpu", control)
         return transfer.Route(exchanges, {kind: backends.device_of(kind) for kind in exchanges}, control)
 
-    def _rebuild_ddp(self) -> None:
-        """Rebuild each DDP on the new default group; the user's model object stays the same.
-
-        DDP's reducer holds its process group; re-running its constructor binds the new group and builds
-        fresh buckets, so no collective of the abandoned group can write into them. The ranks already hold
-        the same state, so the constructor's parameter broadcast is skipped where DDP allows it.
-        """
-        skip_sync = {"init_sync": False} if "init_sync" in inspect.signature(DistributedDataParallel).parameters else {}
-        for model, kwargs in self._ddps:
-            DistributedDataParallel.__init__(model, model.module, **{**kwargs, **skip_sync})
-            model.register_comm_hook(dist.group.WORLD, self.collectives.hook)
-
     def _shut_down(self) -> None:
         """At exit, while the interpreter is whole: free the current planes, so that their destructors join
         the backends' threads now (an aborted generation is released or left alone).
@@ -532,9 +500,7 @@ class Session:
         collectives would fail while it still lives, which reads as a link fault with every worker alive.
         """
         if getattr(sys, "last_value", None) is None:
-            for model, _ in self._ddps:
-                for holder in ("reducer", "logger", "process_group", "_comm_hooks"):
-                    model.__dict__.pop(holder, None)
+            self._ddps.release()
         if self.planes is not None:
             self.planes.destroy()
         elif dist.is_initialized():
