@@ -41,6 +41,10 @@ class LossSum:
     group: dist.ProcessGroup  # where it is summed when it travels on its own
     done: torch.futures.Future | None = None  # None: not issued yet (the step's first bucket is to carry it)
 
+    def alone(self) -> dist.Work:
+        """Start summing the loss in a collective of its own."""
+        return self.group.allreduce([self.slot])
+
 
 class StepCollectives:
     """Issues the current generation's collectives and knows which of them a new plan abandoned.
@@ -126,7 +130,7 @@ class StepCollectives:
         if buffer.dtype in CARRIES_LOSS and buffer.device == pending.slot.device:
             pending.done = result
             return torch.cat([buffer, pending.slot.to(buffer.dtype)]), pending.slot
-        pending.done = self._start(lambda: pending.group.allreduce([pending.slot])).get_future()
+        pending.done = self._start(pending.alone).get_future()
         return buffer, None
 
     def start_loss(self, loss: torch.Tensor, loss_group: Callable[[torch.Tensor], dist.ProcessGroup],
@@ -137,7 +141,7 @@ class StepCollectives:
         pending = self._loss_sum(loss, loss_group)
         if not with_first_bucket:
             try:
-                pending.done = self.issue(lambda: pending.group.allreduce([pending.slot])).get_future()
+                pending.done = self.issue(pending.alone).get_future()
             except (Superseded, CollectiveFailed) as exc:
                 self.fail(error="" if isinstance(exc, Superseded) else str(exc))
                 return
@@ -162,7 +166,7 @@ class StepCollectives:
                 if started is None or started.epoch != self.epoch or started.loss is not loss:
                     started = self._loss_sum(loss, loss_group)
                 if started.done is None:  # not started, or no bucket carried it
-                    started.done = self.issue(lambda: started.group.allreduce([started.slot])).get_future()
+                    started.done = self.issue(started.alone).get_future()
                 self.wait_future(started.done)
                 total = float(started.slot.item())
             except (CollectiveFailed, Superseded) as exc:
