@@ -110,8 +110,9 @@ class StepCollectives:
             if mine is None:
                 return
             if carried is not None and not failed:  # after the collective on a GPU: torch orders the callback
-                buffer.copy_(reduced[:-1])
                 carried.copy_(reduced[-1:])
+                mine = reduced[:-1]  # DDP reads the sums from the future's tensor, copied into the gradients as
+                # it copies its bucket's (Reducer::populate_bucket_views_out): not copied back into the bucket first
             result.set_result(mine)
 
         work.get_future().add_done_callback(finished)

@@ -1,4 +1,5 @@
-"""The comm hook's future and the step's waits keep a GPU's stream order: what the CPU can check of it.
+"""The step's collectives: what the comm hook sums and hands DDP, the loss it carries, failures, and the GPU's
+stream order that the hook's future and the step's waits keep, as far as the CPU can check it.
 
 On a GPU, NCCL marks its work's future done when the kernel is queued; whoever reads the result must have
 its stream wait for the collective's, which a future does only if it was made with the tensor's device (the
@@ -16,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from ftrun.worker import backends, steps
 from ftrun.worker.steps import CollectiveFailed, StepCollectives, future_devices
@@ -159,14 +161,19 @@ class _Recording:
         return self.group.allreduce(tensors)
 
 
-def two_ranks(step) -> list:  # noqa: ANN001 -- step(rank, collectives, group) -> its result
-    """Run ``step`` on the two ranks of a real Gloo group, one thread each; their results."""
+def gloo_backend(store: dist.Store, rank: int, size: int) -> dist.ProcessGroupGloo:
+    """A bare Gloo backend of ``size`` ranks on ``store``."""
+    return dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=60))
+
+
+def two_ranks(step, group=gloo_backend) -> list:  # noqa: ANN001 -- step(rank, collectives, group) -> its result
+    """Run ``step`` on the two ranks of a real Gloo group (made by ``group``), one thread each; their results."""
     store = dist.HashStore()
     results: list = [None, None]
 
     def rank(r: int) -> None:
-        group = _Recording(dist.ProcessGroupGloo(store, r, 2, timedelta(seconds=60)))
-        results[r] = (step(r, step_begun(), group), group.reduced)
+        group_of_rank = _Recording(group(store, r, 2))
+        results[r] = (step(r, step_begun(), group_of_rank), group_of_rank.reduced)
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
     for thread in threads:
@@ -186,9 +193,9 @@ def a_step(dtype: torch.dtype, buckets: int = 2, with_first_bucket: bool = True)
         loss = torch.tensor(LOSSES[r], dtype=torch.float32)
         collectives.start_loss(loss, lambda _: group, with_first_bucket=with_first_bucket)
         grads = [torch.full((4,), float(r + 1 + b), dtype=dtype) for b in range(buckets)]
-        for grad in grads:
-            assert collectives.hook(group, _Bucket(grad)).wait() is grad
-        return collectives.finish(loss, lambda _: group), [grad.tolist() for grad in grads]
+        summed = [collectives.hook(group, _Bucket(grad)).wait() for grad in grads]  # what DDP reads the sums from
+        assert [s.shape for s in summed] == [g.shape for g in grads]
+        return collectives.finish(loss, lambda _: group), [s.tolist() for s in summed]
     return step
 
 
@@ -249,3 +256,72 @@ def test_the_failure_a_backends_watchdog_recorded_is_read_in_a_line():
                            dist.ProcessGroupGloo(store, 0, 1, timedelta(seconds=10)))
     assert backends.async_error(real, "gloo") is None  # Gloo's errors reach its futures: it answers SUCCESS
     assert backends.async_error(object(), "nccl") is None  # a torch whose groups do not tell
+
+
+
+
+def ddp_group(store: dist.Store, rank: int, size: int) -> dist.ProcessGroup:
+    """A Gloo group as init_process_group builds one, which DDP takes (a bare ProcessGroupGloo it does not)."""
+    group = dist.ProcessGroup(store, rank, size)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO,
+                            dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=60)))
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    return group
+
+
+def small_model() -> torch.nn.Module:
+    """A model DDP puts in two buckets once it rebuilt them (its first is of 1 MB)."""
+    return torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.Tanh(), torch.nn.Linear(512, 512), torch.nn.Tanh(),
+                               torch.nn.Linear(512, 8))
+
+
+def plain_backward(model: torch.nn.Module, inputs: torch.Tensor) -> tuple[list[torch.Tensor], float]:
+    """The gradients and loss of a plain backward of ``inputs`` through a copy of ``model``."""
+    copy = small_model()
+    copy.load_state_dict(model.state_dict())
+    loss = copy(inputs).square().sum()
+    loss.backward()
+    return [p.grad for p in copy.parameters()], loss.item()
+
+
+PARAMETERS = 64 * 512 + 512 + 512 * 512 + 512 + 512 * 8 + 8
+
+
+def ddp_steps(gradient_as_bucket_view: bool):  # noqa: ANN201
+    """Two steps of a rank through a real DDP whose buckets go through the hook (the second on the buckets DDP
+    rebuilt after the first): per step what ``finish`` answered, the gradients DDP left, and both ranks' plain
+    backward of their batches."""
+    def run(r: int, collectives: StepCollectives, group: _Recording) -> list:
+        torch.manual_seed(0)
+        model = small_model()
+        ddp = DistributedDataParallel(model, process_group=group.group,
+                                      gradient_as_bucket_view=gradient_as_bucket_view)
+        ddp.register_comm_hook(group, collectives.hook)
+        done = []
+        for number in range(2):
+            inputs = [torch.randn(4, 64, generator=torch.Generator().manual_seed(10 * number + k)) for k in (0, 1)]
+            expected = [plain_backward(model, batch) for batch in inputs]
+            collectives.begin()
+            loss = ddp(inputs[r]).square().sum()
+            collectives.start_loss(loss, lambda _: group, with_first_bucket=True)
+            loss.backward()
+            done.append((collectives.finish(loss, lambda _: group), [p.grad.clone() for p in model.parameters()],
+                         expected))
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.01 * p.grad
+            ddp.zero_grad(set_to_none=not gradient_as_bucket_view)
+        return done
+    return run
+
+
+@pytest.mark.compat  # DDP's reading of a hook's result, on each release
+@pytest.mark.parametrize("gradient_as_bucket_view", [False, True])
+def test_a_real_ddp_takes_the_summed_gradients_from_the_hook_and_the_loss_rides_along(gradient_as_bucket_view):
+    for done, reduced in two_ranks(ddp_steps(gradient_as_bucket_view), group=ddp_group):
+        assert len(reduced) >= 3  # one bucket in the first step, or more; two in the second (DDP rebuilt them)
+        assert sum(n for n, _ in reduced) == 2 * (PARAMETERS + 1)  # with the loss: no collective of its own
+        for (finished, grads, ((mine, my_loss), (theirs, their_loss))) in done:
+            assert finished[0] and finished[1] == pytest.approx(my_loss + their_loss, rel=1e-5)
+            for grad, a, b in zip(grads, mine, theirs):
+                assert torch.allclose(grad, a + b, rtol=1e-5, atol=1e-6)
