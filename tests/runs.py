@@ -247,12 +247,15 @@ def check_steps(run: Run, baseline: dict[int, float], lost: dict[int, int]) -> N
         assert all(c.step < recoveries[0]["resumed_at_step"] for c in commits.get(uid, [])), why
 
 
-def agent_of_node(node: int, log_dir: Path | None = None) -> psutil.Process:
-    """The agent process of ``node`` of a --hostfile launch (on this machine, directly or over ssh), of the
-    launch writing under ``log_dir`` when given: its node rank is in the hand-off in its environment."""
+def agent_of_node(node: int, log_dir: Path) -> psutil.Process:
+    """The agent process of ``node`` of the --hostfile launch writing under ``log_dir`` (on this machine, directly
+    or over ssh; other tests' launches run beside it): its node rank is in the hand-off in its environment."""
     for proc in psutil.process_iter(["cmdline"]):
         if (proc.info["cmdline"] or [])[1:4] == ["-m", "ftrun", "_agent"]:
-            config = handoff.decode(proc.environ()[handoff.VARIABLE])
-            if config.node_rank == node and (log_dir is None or config.log_dir == log_dir):
+            try:
+                config = handoff.decode(proc.environ()[handoff.VARIABLE])
+            except psutil.NoSuchProcess:  # another test's agent, ended since the listing
+                continue
+            if config.node_rank == node and config.log_dir == log_dir:
                 return proc
     raise AssertionError(f"no agent for node {node}")

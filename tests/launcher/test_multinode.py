@@ -98,7 +98,7 @@ def test_hostfile_over_ssh_trains_across_hosts_and_survives_a_killed_node(netns_
     """Two namespace hosts x 2 workers through ssh; node 1's agent SIGKILLed at step 10 (its workers die with
     it): its ssh session ends, the launcher tells the leader at once, node 0's workers train on."""
     job = hostfile_job(netns_hosts, ssh_keys, tmp_path, launcher_env)
-    stdout = run_until(job, 10, lambda: agent_of_node(1).kill())
+    stdout = run_until(job, 10, lambda: agent_of_node(1, tmp_path / "logs").kill())  # this job's: tests run side by side
     stderr = job.stderr.read()
     assert job.wait(timeout=120) == 0, stderr
     assert re.search(rf"^\[{re.escape(netns_hosts.hosts[0].address)}:0\]: step=0 ", stdout, re.M)
@@ -159,15 +159,16 @@ def test_ctrl_c_stops_every_agent_and_worker_on_every_host(netns_hosts, ssh_keys
     hosts = tmp_path / "hosts"
     hosts.write_text("".join(f"{host.address} slots=2\n" for host in netns_hosts.hosts))
     env = {**launcher_env, "FTRUN_SSH_OPTS": shlex.join(ssh_keys.client_options())}
-    job = subprocess.Popen([*FTRUN, "--hostfile", str(hosts), "--master-addr", netns_hosts.gateway,
-                            workload("wait_forever.py"), str(tmp_path)], env=env, stdout=subprocess.PIPE,
+    logs = tmp_path / "logs"
+    job = subprocess.Popen([*FTRUN, "--hostfile", str(hosts), "--master-addr", netns_hosts.gateway, "--log-dir",
+                            str(logs), workload("wait_forever.py"), str(tmp_path)], env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
     pids = []
     for line in job.stderr:  # each agent's start notice names its workers
         pids += [int(pid) for pid in re.findall(r"\(pids ([\d ]+)\)", line)[0].split()] if "(pids " in line else []
         if len(pids) == 4:
             break
-    processes = [psutil.Process(pid) for pid in pids] + [agent_of_node(0), agent_of_node(1)]
+    processes = [psutil.Process(pid) for pid in pids] + [agent_of_node(0, logs), agent_of_node(1, logs)]
     job.send_signal(signal.SIGINT)
     assert job.wait(timeout=60) == 128 + signal.SIGINT
     _, alive = psutil.wait_procs(processes, timeout=30)
