@@ -45,6 +45,9 @@ STATUS = struct.Struct("i")
 """A forked worker's wait status as the server writes it (sitecustomize.STATUS)."""
 REPLY_TIMEOUT = 30.0
 """Seconds a fork request may take before the server is declared unusable (a fork takes milliseconds)."""
+REAP_TIMEOUT = 10.0
+"""Seconds the agent waits for the server to end once killed: one stuck in the kernel (uninterruptible sleep)
+is left to end on its own rather than hold the agent."""
 OUTPUT_PIPE_SIZE = 1 << 20
 """Room for what the imports print before the server reads it back (a full pipe would stall it)."""
 STARTING, READY, UNUSABLE, GONE = "starting", "ready", "unusable", "gone"
@@ -133,9 +136,7 @@ class ForkServer:
     def close(self) -> None:
         """Stop the server (its forked workers, if any are left, die with it) and collect it."""
         self.control.close()
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
+        self._stop()
 
     # ------------------------------------------------------------------ internals
     def _request(self, payload: dict[str, Any], fds: tuple[int, ...]) -> tuple[int, int]:
@@ -177,7 +178,7 @@ class ForkServer:
         try:
             message, _ = self._receive()  # carries no descriptor
         except ConnectionError:
-            self._give_up(UNUSABLE, f"ended while importing (exit {self.proc.wait()}; see its log)")
+            self._give_up(UNUSABLE, f"ended while importing (exit {self._stop()}; see its log)")
             return
         if message.get("ready"):
             self.state, self.torch = READY, message.get("torch")
@@ -192,6 +193,14 @@ class ForkServer:
             return
         self.state, self.reason = state, reason
         self.events.write(events.FORK_SERVER, pid=self.pid, state=state, reason=reason, node=self.node)
+        self._stop()
+
+    def _stop(self) -> int | None:
+        """Kill the server if it still runs, and collect it: its exit code, or None if it did not end within
+        :data:`REAP_TIMEOUT`."""
         if self.proc.poll() is None:
             self.proc.kill()
-        self.proc.wait()
+        try:
+            return self.proc.wait(timeout=REAP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            return None

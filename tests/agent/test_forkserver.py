@@ -14,12 +14,14 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import psutil
 import pytest
 
-from ftrun.agent.forkserver import can_serve
+from ftrun.agent import forkserver
+from ftrun.agent.forkserver import ForkServer, can_serve
 from ftrun.agent.script_imports import script_imports_torch
 from ftrun.status.render import describe
 from runs import TIMEOUT, read_run
@@ -183,3 +185,33 @@ def test_fork_server_events_are_described():
         "fork server ready (imports took 4.3 s)"
     assert describe({"event": "fork_server", "state": "gone", "reason": "stopped taking requests: EPIPE"}) == \
         "fork server gone: stopped taking requests: EPIPE"
+
+
+class _Events:
+    """The events a fork server writes, kept in a list."""
+
+    def __init__(self) -> None:
+        self.written: list[dict] = []
+
+    def write(self, kind: str, /, **fields) -> dict:  # noqa: ANN003
+        self.written.append({"event": kind, **fields})
+        return self.written[-1]
+
+
+def test_a_fork_server_sigkill_cannot_end_holds_the_agent_no_longer_than_its_reap_timeout(tmp_path, freezer,
+                                                                                          monkeypatch):
+    monkeypatch.setattr(forkserver, "REAP_TIMEOUT", 1.0)
+    script = tmp_path / "script.py"
+    script.write_text("pass\n")
+    server = ForkServer([sys.executable, "-u", str(script)], dict(os.environ), tmp_path / "fork_server.log",
+                        _Events(), node=0, preload=("json",))
+    assert server.ready(wait=TIMEOUT), server.reason
+    freezer.add(server.pid)
+    freezer.freeze()  # as a process stuck in the kernel: SIGKILL does not end it until thawed
+    closing = threading.Thread(target=server.close)
+    closing.start()
+    closing.join(TIMEOUT)
+    assert not closing.is_alive(), "close() waited on for a server that cannot end"
+    assert server.proc.poll() is None  # still there, frozen: left to end on its own
+    freezer.thaw()
+    assert server.proc.wait(timeout=TIMEOUT) == -signal.SIGKILL
