@@ -250,17 +250,13 @@ def test_the_failure_a_backends_watchdog_recorded_is_read_in_a_line():
     assert backends.async_error(group, "gloo") == "the data plane's gloo backend reported COMM_ERROR"
     assert group.asked == [torch.device("cpu")]  # no GPU here: the device the data plane takes
     assert backends.async_error(_DataGroup(_Backend("SUCCESS")), "gloo") is None
-    store = dist.HashStore()
-    real = dist.ProcessGroup(store, 0, 1)  # a world of one, as init_process_group builds the default group
-    real._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO,
-                           dist.ProcessGroupGloo(store, 0, 1, timedelta(seconds=10)))
+    real = process_group(dist.HashStore(), 0, 1)  # a world of one, as init_process_group builds the default group
     assert backends.async_error(real, "gloo") is None  # Gloo's errors reach its futures: it answers SUCCESS
     assert backends.async_error(object(), "nccl") is None  # a torch whose groups do not tell
 
 
 
-
-def ddp_group(store: dist.Store, rank: int, size: int) -> dist.ProcessGroup:
+def process_group(store: dist.Store, rank: int, size: int) -> dist.ProcessGroup:
     """A Gloo group as init_process_group builds one, which DDP takes (a bare ProcessGroupGloo it does not)."""
     group = dist.ProcessGroup(store, rank, size)
     group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO,
@@ -318,7 +314,7 @@ def ddp_steps(gradient_as_bucket_view: bool):  # noqa: ANN201
 @pytest.mark.compat  # DDP's reading of a hook's result, on each release
 @pytest.mark.parametrize("gradient_as_bucket_view", [False, True])
 def test_a_real_ddp_takes_the_summed_gradients_from_the_hook_and_the_loss_rides_along(gradient_as_bucket_view):
-    for done, reduced in two_ranks(ddp_steps(gradient_as_bucket_view), group=ddp_group):
+    for done, reduced in two_ranks(ddp_steps(gradient_as_bucket_view), group=process_group):
         assert len(reduced) >= 3  # one bucket in the first step, or more; two in the second (DDP rebuilt them)
         assert sum(n for n, _ in reduced) == 2 * (PARAMETERS + 1)  # with the loss: no collective of its own
         for (finished, grads, ((mine, my_loss), (theirs, their_loss))) in done:
