@@ -98,7 +98,7 @@ def test_hostfile_over_ssh_trains_across_hosts_and_survives_a_killed_node(netns_
     """Two namespace hosts x 2 workers through ssh; node 1's agent SIGKILLed at step 10 (its workers die with
     it): its ssh session ends, the launcher tells the leader at once, node 0's workers train on."""
     job = hostfile_job(netns_hosts, ssh_keys, tmp_path, launcher_env)
-    stdout = run_until(job, 10, lambda: agent_of_node(1, tmp_path / "logs").kill())  # this job's, of the tests running
+    stdout = run_until(job, 10, lambda: agent_of_node(1, tmp_path / "logs").kill())  # this job's, not another test's
     stderr = job.stderr.read()
     assert job.wait(timeout=120) == 0, stderr
     assert re.search(rf"^\[{re.escape(netns_hosts.hosts[0].address)}:0\]: step=0 ", stdout, re.M)
