@@ -23,6 +23,7 @@ import pytest
 from ftrun.agent import forkserver
 from ftrun.agent.forkserver import ForkServer, can_serve
 from ftrun.agent.script_imports import script_imports_torch
+from ftrun.events import EventLog
 from ftrun.status.render import describe
 from runs import TIMEOUT, read_run
 
@@ -187,24 +188,13 @@ def test_fork_server_events_are_described():
         "fork server gone: stopped taking requests: EPIPE"
 
 
-class _Events:
-    """The events a fork server writes, kept in a list."""
-
-    def __init__(self) -> None:
-        self.written: list[dict] = []
-
-    def write(self, kind: str, /, **fields) -> dict:  # noqa: ANN003
-        self.written.append({"event": kind, **fields})
-        return self.written[-1]
-
-
 def test_a_fork_server_sigkill_cannot_end_holds_the_agent_no_longer_than_its_reap_timeout(tmp_path, freezer,
                                                                                           monkeypatch):
     monkeypatch.setattr(forkserver, "REAP_TIMEOUT", 1.0)
     script = tmp_path / "script.py"
     script.write_text("pass\n")
     server = ForkServer([sys.executable, "-u", str(script)], dict(os.environ), tmp_path / "fork_server.log",
-                        _Events(), node=0, preload=("json",))
+                        EventLog(tmp_path / "events.jsonl"), node=0, preload=("json",))
     assert server.ready(wait=TIMEOUT), server.reason
     freezer.add(server.pid)
     freezer.freeze()  # as a process stuck in the kernel: SIGKILL does not end it until thawed
