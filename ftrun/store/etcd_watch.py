@@ -115,8 +115,10 @@ def parse_events(line: bytes, prefix: bytes) -> tuple[list[Event], bool]:
 class OpenWatch:
     """One watch kept open on ``key_range`` of ``member``, from ``revision`` on: a thread reads its stream and
     notes each change in :attr:`known`, notifying ``changed`` (whose lock guards :attr:`known`) at each line
-    and at the stream's end (:attr:`ended`). ``listed``: every key of the range just before ``revision``
-    (see :class:`Known`)."""
+    that sets a key of the range and at the stream's end (:attr:`ended`). A line of deletes only is noted
+    without a notification: no wait ends at a delete (a wait is for a key that is set), and each reader's
+    delete of its own bell, and a sender's of its oldest broadcast, would wake the wait for nothing.
+    ``listed``: every key of the range just before ``revision`` (see :class:`Known`)."""
 
     def __init__(self, member: Member, key_range: KeyRange, revision: int, prefix: bytes,
                  changed: threading.Condition, listed: Iterable[str] | None = None) -> None:
@@ -136,10 +138,13 @@ class OpenWatch:
             for line in self._stream.lines():
                 events, cancelled = parse_events(line, prefix)
                 with self._changed:
+                    news = False
                     for key, value, revision in events:
                         if self.key_range.covers(key):
                             self.known.note(key, value, revision)
-                    self._changed.notify_all()
+                            news = news or value is not None
+                    if news:
+                        self._changed.notify_all()
                 if cancelled:
                     break
         except Exception:  # noqa: BLE001 -- a closed or broken stream, or a line that is not etcd's: it is over

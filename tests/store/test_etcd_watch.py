@@ -150,6 +150,38 @@ def test_a_senders_next_broadcast_comes_in_its_watchs_event_with_no_request(etcd
     reader.close()
 
 
+class CountingCondition(threading.Condition):
+    """A condition that counts its ``notify_all`` calls."""
+
+    notified = 0
+
+    def notify_all(self) -> None:
+        self.notified += 1
+        super().notify_all()
+
+
+def test_a_watch_wakes_its_waiters_for_a_key_set_and_not_for_a_delete(etcd_cluster):
+    # each reader deletes its own bell after it rang, and a sender its oldest broadcast: no wait ends there
+    kv = client(etcd_cluster, "deletes")
+    changed = CountingCondition()
+    member = etcd_http.Member(*parse_endpoints(etcd_cluster.endpoints)[0], None, 5.0)
+    watch = OpenWatch(member, KeyRange("w/", prefix=True), kv._range("w/a")[2] + 1, kv.options.prefix.encode(),
+                      changed)
+    try:
+        kv.set("w/a", b"1")
+        with changed:
+            assert changed.wait_for(lambda: watch.known.value("w/a") == b"1", timeout=10)
+        kv.delete_key("w/a")
+
+        def deleted() -> bool:
+            with changed:
+                return watch.known.value("w/a") is None
+        until(deleted, what="the watch noting the delete")
+        assert changed.notified == 1
+    finally:
+        watch.close()
+
+
 def test_a_watched_read_costs_one_read_per_key_then_none_and_sees_a_lease_end(etcd_cluster):
     # a follower's looks at its leader's lease: the watch answers them, and etcd's delete at the lease's end
     # reaches it with no request
