@@ -205,9 +205,10 @@ class JobStore:
         """The message at mailbox key ``key`` (something is there); MalformedValue if ftrun did not write it."""
         return self._get(key)
 
-    def discard_mail(self, key: str) -> None:
-        """Delete what is at mailbox key ``key`` (a broadcast every reader is past)."""
-        self.kv.delete_key(key)
+    def discard_mail(self, discard: list[str]) -> None:
+        """Delete the mailbox keys in ``discard`` (broadcasts every reader is past), in one round trip where the
+        backend batches calls."""
+        self.look_at_mail(discard, [])
 
     def request(self, box: str, message: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
         """Post a command to ``box`` and wait for the reader's answer (UsageError when none comes)."""

@@ -45,8 +45,10 @@ OVERWRITE_GRACE = 5.0
 """Seconds the writer of an index has to write it once the next index holds a valid message (a writer
 writes right after it numbers its message); also how long a message waits for the broadcast sent before it."""
 KEPT_BROADCASTS = 64
-"""A sender's broadcasts left in the store: writing one deletes the one this many before it (every reader is
-past it by then; one still behind it was cut off for longer than its lease allows)."""
+"""A sender's broadcasts a reader may still read: one this many before the sender's latest is given up (every
+reader is past it by then; one still behind it was cut off for longer than its lease allows). The sender
+deletes them this many at a time, every this many broadcasts, in one request: each delete is an event on
+every reader's watch of the broadcasts (etcd), and one per broadcast cost every node a second event per plan."""
 AFTER = "_after"
 """The field of a message to one box that says how many broadcasts its sender had sent before it."""
 
@@ -83,9 +85,11 @@ class Outbox:
         of nodes (each reader waits for its key; no bell is rung). A message this outbox sends to a box later
         is handed on after it (it carries the count of broadcasts before it, :data:`AFTER`)."""
         self.send_many([(keys.BROADCAST, message)])
-        stale = self.sent[keys.BROADCAST] - KEPT_BROADCASTS
-        if stale > 0:
-            self.store.discard_mail(keys.sent_item(keys.BROADCAST, self.sender, stale))
+        written = self.sent[keys.BROADCAST]
+        if written > KEPT_BROADCASTS and written % KEPT_BROADCASTS == 0:
+            self.store.discard_mail([keys.sent_item(keys.BROADCAST, self.sender, index)
+                                     for index in range(written - 2 * KEPT_BROADCASTS + 1,
+                                                        written - KEPT_BROADCASTS + 1)])
 
 
 @dataclass

@@ -172,11 +172,16 @@ def test_a_broadcast_is_written_once_for_every_reader_and_the_sender_deletes_old
     receive, _ = broadcast_readers
     store = served()
     outbox = Outbox(store, "node1")
-    for gen in range(3):
+    def kept() -> list[bool]:
+        return [store.kv.check([keys.sent_item(keys.BROADCAST, "node1", i)]) for i in (1, 2, 3, 4, 5)]
+
+    for gen in range(5):
         outbox.broadcast({"t": "plan", "gen": gen})
         assert receive(0, 1) == receive(1, 1) == [{"t": "plan", "gen": gen}]
-    kept = [store.kv.check([keys.sent_item(keys.BROADCAST, "node1", i)]) for i in (1, 2, 3)]
-    assert kept == [False, True, True]  # the readers leave them; the sender deletes the one KEPT_BROADCASTS back
+        if gen == 2:
+            assert kept() == [True, True, True, False, False]  # the readers leave them
+    # every KEPT_BROADCASTS broadcasts, the sender deletes those KEPT_BROADCASTS back, together
+    assert kept() == [False, False, True, True, True]
     assert not store.kv.check([keys.bell("node3")]) and not store.kv.check([keys.bell(keys.BROADCAST)])
 
 
