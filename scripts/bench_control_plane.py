@@ -11,7 +11,9 @@ sends plans. Once every reader is up, the followers take their leases, one proce
 the leader's, and the leader takes its own: from then on, the run is a running job's steady state. Every
 store call of every simulated agent goes through a counter. Per N it reports:
 
-* idle load: store requests per agent per second over ``--idle`` seconds with nothing to say;
+* idle load: store requests per agent per second over ``--idle`` seconds with nothing to say, and the share
+  of the machine's CPU (all its cores) the simulated job used meanwhile: on one machine a plan's delivery
+  has only the rest;
 * plan delivery: the leader broadcasts one message to every follower (as it relays a plan: one write,
   that each follower's reader waits for), ``--plans`` times; the latency from the start of each broadcast to
   the moment each follower's reader hands the message on, p50 and p99 over all followers and plans; and the
@@ -179,19 +181,22 @@ class Plane:
                 by_call[name] = by_call.get(name, 0) + count
         return total, by_call, lapsed
 
-    def idle_load(self, seconds: float, monitor_interval: float) -> tuple[float, dict[str, float]]:
+    def idle_load(self, seconds: float, monitor_interval: float) -> tuple[float, dict[str, float], float]:
         """Store requests per agent per second while nothing happens but the leader's lease checks, in all and
-        by kind of call."""
+        by kind of call, and the share of the machine's CPU the simulation used meanwhile (every agent's leases
+        and looks, the store's work for them, the kernel's)."""
         start, calls, _ = self.requests_made()
-        began = time.monotonic()
+        began, busy = time.monotonic(), busy_cpu()
         while time.monotonic() - began < seconds:
             self.node_leases.expired(time.monotonic())
             time.sleep(monitor_interval)
         made, by_call, _ = self.requests_made()
         made -= start
         by_call = {name: count - calls.get(name, 0) for name, count in by_call.items()}
-        per_agent = self.agents * (time.monotonic() - began)
-        return made / per_agent, {name: count / per_agent for name, count in by_call.items() if count}
+        took = time.monotonic() - began
+        per_agent = self.agents * took
+        return (made / per_agent, {name: count / per_agent for name, count in by_call.items() if count},
+                (busy_cpu() - busy) / took / (os.cpu_count() or 1))
 
     def broadcast(self, plan: int, within: float = 60.0) -> list[float]:
         """Send one message to every follower's box; each follower's delivery latency in seconds (the
@@ -495,7 +500,7 @@ def main() -> None:
     backend = f"etcd at {args.etcd}" if args.etcd else "embedded store (TCPStore)"
     print(f"{backend}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; "
           f"--node-timeout {args.node_timeout:g}; followers in {args.processes} processes")
-    print(f"{'agents':>7} {'idle requests/agent/s':>22} {'plan p50 ms':>12} {'plan p99 ms':>12} "
+    print(f"{'agents':>7} {'idle requests/agent/s':>22} {'idle CPU %':>10} {'plan p50 ms':>12} {'plan p99 ms':>12} "
           f"{'store ms/plan':>14} {'machine ms/plan':>16} {'end seen p50/max s':>19} {'failover p50 s':>15} "
           f"{'failover max s':>15}  idle, by call")
     for agents in args.agents:
@@ -506,7 +511,7 @@ def main() -> None:
             # connections, leases and watches) took more than a minute on a loaded day
             plane.broadcast(0, within=STARTUP_WAIT)
             plane.hold_leases(args.monitor_interval)
-            idle, by_call = plane.idle_load(args.idle, args.monitor_interval)
+            idle, by_call, idle_cpu = plane.idle_load(args.idle, args.monitor_interval)
             before, machine_before = (store_cpu() if store_cpu else 0.0), busy_cpu()
             latencies = [t for plan in range(1, args.plans + 1) for t in plane.broadcast(plan)]
             machine_ms = 1000 * (busy_cpu() - machine_before) / args.plans
@@ -521,7 +526,7 @@ def main() -> None:
                 failover = f"{seen:>19} {statistics.median(took):>15.2f} {max(took):>15.2f}"
         finally:
             plane.close()
-        print(f"{agents:>7} {idle:>22.2f} {1000 * statistics.median(latencies):>12.1f} "
+        print(f"{agents:>7} {idle:>22.2f} {100 * idle_cpu:>10.0f} {1000 * statistics.median(latencies):>12.1f} "
               f"{1000 * percentile(latencies, 0.99):>12.1f} {store_ms} {machine_ms:>16.1f} {failover}  "
               + " ".join(f"{name} {rate:.2f}" for name, rate in sorted(by_call.items())), flush=True)
         if lapsed:
