@@ -176,6 +176,7 @@ def test_a_watch_wakes_its_waiters_for_a_key_set_and_not_for_a_delete(etcd_clust
         def deleted() -> bool:
             with changed:
                 return watch.known.value("w/a") is None
+
         until(deleted, what="the watch noting the delete")
         assert changed.notified == 1
     finally:

@@ -172,6 +172,7 @@ def test_a_broadcast_is_written_once_for_every_reader_and_the_sender_deletes_old
     receive, _ = broadcast_readers
     store = served()
     outbox = Outbox(store, "node1")
+
     def kept() -> list[bool]:
         return [store.kv.check([keys.sent_item(keys.BROADCAST, "node1", i)]) for i in (1, 2, 3, 4, 5)]
 
