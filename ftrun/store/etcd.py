@@ -33,6 +33,7 @@ import base64
 import math
 import threading
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -42,12 +43,29 @@ from ftrun.store.etcd_watch import KeyRange, OpenWatch, Watches, b64, prefix_end
 
 TXN_PUTS = 128
 """Writes per transaction: etcd's default limit (--max-txn-ops)."""
+SPAN_LIMIT = 64
+"""Keys one range over a span returns at most (:meth:`EtcdKeyValue.read_many`): a mailbox holds its unread
+messages and a counter; one that holds this many or more is read key by key (a writer flooding it gets each
+look no more than this many values, and the reader no fewer answers)."""
 CAS_TRIES = 100
 """Compare-and-swap attempts before ``add`` gives up (each loses only to another writer's success)."""
 
 
 def _unb64(text: str) -> bytes:
     return base64.b64decode(text)
+
+
+def span_reads(keys: Sequence[str], spans: Sequence[str]) -> list[tuple[str, list[str]]]:
+    """The reads that answer each of ``keys``, as (what to read, the keys it answers), in the order of
+    ``keys``: the keys under one prefix in ``spans`` (a mailbox's) by one read of that prefix where more than
+    one of them is there, every other key by a read of its own. A key named twice is read once."""
+    unique = list(dict.fromkeys(keys))
+    under = {key: next((prefix for prefix in spans if key.startswith(prefix)), None) for key in unique}
+    held = Counter(under.values())
+    reads: dict[str, list[str]] = {}
+    for key, span in under.items():
+        reads.setdefault(span if span is not None and held[span] > 1 else key, []).append(key)
+    return list(reads.items())
 
 
 def _counter(text: bytes | None) -> int:
@@ -115,17 +133,21 @@ class EtcdKeyValue:
                     for key, value in items[start:start + TXN_PUTS]]
             self._cluster.call("kv/txn", {"success": puts})
 
-    def read_many(self, keys: Sequence[str], deleting: Sequence[str] = ()) -> list[bytes | None]:
+    def read_many(self, keys: Sequence[str], deleting: Sequence[str] = (),
+                  spans: Sequence[str] = ()) -> list[bytes | None]:
         """Delete the keys in ``deleting``, then the value of each of ``keys`` (None where absent), in one
         transaction (up to TXN_PUTS operations; a longer list takes more; reads past the deletes go as plain
-        ranges, see the module's docstring). What it learns (a key deleted, a key's value) is noted for the open
-        watches, so that a wait right after it does not take its own delete for news."""
+        ranges, see the module's docstring). Keys under a prefix in ``spans`` are read together, by one range
+        over the prefix (:func:`span_reads`). What it learns (a key deleted, a key's value) is noted for the
+        open watches, so that a wait right after it does not take its own delete for news."""
+        reads = span_reads(keys, spans)
         ops = [{"request_delete_range": {"key": b64(self._key(key))}} for key in deleting]
-        ops += [{"request_range": {"key": b64(self._key(key))}} for key in keys]
+        ops += [{"request_range": self._read_request(start, answers != [start])}
+                for start, answers in reads]
         responses: list[tuple[Any, int]] = []
         try:
-            for start in range(0, len(ops), TXN_PUTS):
-                chunk = ops[start:start + TXN_PUTS]
+            for begin in range(0, len(ops), TXN_PUTS):
+                chunk = ops[begin:begin + TXN_PUTS]
                 if "request_delete_range" not in chunk[0]:  # reads only: no transaction of them
                     found, revision = self._ranges([op["request_range"] for op in chunk])
                     responses += [({"response_range": {"kvs": kvs}}, revision) for kvs in found]
@@ -133,17 +155,31 @@ class EtcdKeyValue:
                 answer = self._cluster.call("kv/txn", {"success": chunk})
                 revision = int(answer["header"]["revision"])
                 responses += [(response, revision) for response in answer.get("responses") or []]
-            found = [(r["response_range"].get("kvs") or [], at) for r, at in responses[len(deleting):]]
-            values = [_unb64(kvs[0].get("value", "")) if kvs else None for kvs, _ in found]
+            learnt = [(key, None, at) for key, (_, at) in zip(deleting, responses)]
+            for (start, answers), (response, at) in zip(reads, responses[len(deleting):]):
+                kvs = response["response_range"].get("kvs") or []
+                if len(kvs) >= SPAN_LIMIT:  # more than a look's worth there: each key on its own
+                    found, at = self._ranges([{"key": b64(self._key(key))} for key in answers])
+                    held = {self._key(key): kvs_[0] for key, kvs_ in zip(answers, found) if kvs_}
+                else:
+                    held = {_unb64(kv["key"]): kv for kv in kvs}
+                learnt += [(key, _unb64(held[self._key(key)].get("value", "")) if self._key(key) in held else None, at)
+                           for key in answers]
         except (AttributeError, KeyError, TypeError, ValueError, IndexError):
-            values = []
-        if len(values) != len(keys):
+            learnt = []
+        values = {key: value for key, value, _ in learnt[len(deleting):]}
+        if len(learnt) != len(deleting) + len(set(keys)):
             raise EtcdUnavailable("etcd: the answer to a transaction of reads is not etcd's")
-        learnt = zip([*deleting, *keys], [None] * len(deleting) + values, (at for _, at in responses))
         for key, value, at in learnt:
             self._watches.note(key, value, at)
             self._kept.note(key, value, at)
-        return values
+        return [values[key] for key in keys]
+
+    def _read_request(self, start: str, prefix: bool) -> dict[str, Any]:
+        """A range request for the key ``start``, or (``prefix``) for the first SPAN_LIMIT keys under it."""
+        if not prefix:
+            return {"key": b64(self._key(start))}
+        return {"key": b64(self._key(start)), "range_end": b64(prefix_end(self._key(start))), "limit": str(SPAN_LIMIT)}
 
     def read_watched(self, keys: Sequence[str]) -> list[bytes | None]:
         """The value of each of ``keys`` (None where absent) as a watch on it keeps it known: the first call reads

@@ -187,12 +187,15 @@ class JobStore:
             return {}
         return {bell: None}
 
-    def look_at_mail(self, discard: list[str], read: list[str]) -> list[bytes | None]:
+    def look_at_mail(self, discard: list[str], read: list[str], box: str | None = None) -> list[bytes | None]:
         """Delete the mailbox keys in ``discard`` (read, given up on, or a bell that rang), then what is stored
         at each key in ``read`` (None where nothing is), unopened: in one round trip where the backend batches
-        calls (:class:`~ftrun.store.kv.BatchingKeyValue`), else a few calls a key."""
+        calls (:class:`~ftrun.store.kv.BatchingKeyValue`), else a few calls a key. The keys of ``box`` (the
+        reader's own: its unread messages and counter, nothing else) may be read in one read of the box (etcd:
+        a leader's look at a thousand followers' lanes is one request, not two thousand)."""
         if self._batching:
-            return self.kv.read_many(read, discard)  # type: ignore[attr-defined]
+            spans = [keys.mailbox(box)] if box is not None else []
+            return self.kv.read_many(read, discard, spans)  # type: ignore[attr-defined]
         for key in discard:
             self.kv.delete_key(key)
         return [self.kv.get(key) if self.kv.check([key]) else None for key in read]

@@ -73,19 +73,24 @@ def bell(box: str) -> str:
     return f"ftrun/bell/{box}"
 
 
+def mailbox(box: str) -> str:
+    """The prefix of every key of ``box``: its commands, their counter, and each sender's messages to it."""
+    return f"ftrun/mail/{box}/"
+
+
 def mail_count(box: str) -> str:
     """The counter of commands posted to ``box``."""
-    return f"ftrun/mail/{box}/n"
+    return f"{mailbox(box)}n"
 
 
 def mail_item(box: str, index: int) -> str:
     """Command ``index`` (1-based) of ``box``."""
-    return f"ftrun/mail/{box}/{index}"
+    return f"{mailbox(box)}{index}"
 
 
 def sent_item(box: str, sender: str, index: int) -> str:
     """Message ``index`` (1-based) that ``sender`` (``node<n>`` or ``launcher``) sent to ``box``."""
-    return f"ftrun/mail/{box}/{sender}/{index}"
+    return f"{mailbox(box)}{sender}/{index}"
 
 
 BROADCAST = "all"

@@ -41,8 +41,11 @@ class BatchingKeyValue(KeyValue, Protocol):
     (the torch-free TCPStore client, etcd): the mailbox reader's look at all its lanes costs one request then,
     however many lanes it has, and it waits for its bell and the next broadcast at once."""
 
-    def read_many(self, keys: Sequence[str], deleting: Sequence[str] = ()) -> list[bytes | None]:
-        """Delete the keys in ``deleting``, then the value of each of ``keys`` (None where absent)."""
+    def read_many(self, keys: Sequence[str], deleting: Sequence[str] = (),
+                  spans: Sequence[str] = ()) -> list[bytes | None]:
+        """Delete the keys in ``deleting``, then the value of each of ``keys`` (None where absent). ``spans``
+        are prefixes under which few keys live besides those read (a mailbox's): a backend that reads key by key
+        may read the keys under one of them with one read of the prefix."""
 
     def wait_any(self, keys: Sequence[str], timeout: float, fetch: Sequence[str] = (),
                  then: Mapping[str, str] | None = None) -> dict[str, bytes | None]:

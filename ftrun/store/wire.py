@@ -175,11 +175,13 @@ class StoreClient:
         query = bytes([Query.COMPARE_SET]) + self._key(key) + _blob(_value(expected)) + _blob(_value(desired))
         return self._call(query, None, self._recv_blob)
 
-    def read_many(self, keys: Sequence[str], deleting: Sequence[str] = ()) -> list[bytes | None]:
+    def read_many(self, keys: Sequence[str], deleting: Sequence[str] = (),
+                  spans: Sequence[str] = ()) -> list[bytes | None]:
         """Delete the keys in ``deleting``, then the value of each of ``keys`` (None where none is set), in two
         round trips at most: the deletes and a CHECK of each key written at once and answered in order, then
         a GET of each key that is set (none when none is). Nothing here touches a key it reads (a COMPARE_SET
-        would: torch's libuv server wakes the key's waiters even when it sets nothing).
+        would: torch's libuv server wakes the key's waiters even when it sets nothing). TCPStore reads no
+        prefix: ``spans`` changes nothing (every key's query goes in the same round trip anyway).
         """
         queries = [bytes([Query.DELETE_KEY]) + self._key(key) for key in deleting]
         queries += [bytes([Query.CHECK]) + self._keys([key]) for key in keys]

@@ -18,7 +18,7 @@ from etcd_members import Cluster, Tls
 from http_answers import answering
 from ftrun import cli
 from ftrun.errors import UsageError
-from ftrun.store.etcd import EtcdKeyValue
+from ftrun.store.etcd import SPAN_LIMIT, EtcdKeyValue, span_reads
 from ftrun.store.etcd_config import EtcdOptions, EtcdUnavailable, etcd_options, parse_endpoints, parse_url
 
 
@@ -65,6 +65,37 @@ def test_batched_reads_and_a_wait_for_whichever_key_comes_first_on_a_real_member
     timer.start()
     assert kv.wait_any(["bell", "news"], 10.0, fetch=["news"]) == {"news": b"hello"}
     timer.join()
+
+
+@pytest.mark.fast
+def test_the_keys_of_a_span_are_read_together_and_every_other_key_on_its_own():
+    box = "ftrun/mail/node5/"
+    read = span_reads([f"{box}3", f"{box}n", "ftrun/mail/all/node0/7", f"{box}node0/4", f"{box}3"], [box])
+    broadcast = "ftrun/mail/all/node0/7"
+    assert read == [(box, [f"{box}3", f"{box}n", f"{box}node0/4"]), (broadcast, [broadcast])]
+    assert span_reads([f"{box}3", "other"], [box]) == [(f"{box}3", [f"{box}3"]), ("other", ["other"])]  # alone
+
+
+def test_a_look_at_a_box_is_one_request_and_a_flooded_box_still_answers_every_key(etcd_cluster):
+    """A reader's look at its own box's lanes reads the box in one range, whatever lanes it has (a leader's
+    thousand); a box flooded with SPAN_LIMIT keys or more is read key by key, with the same answers."""
+    kv, writer = client(etcd_cluster, "span"), client(etcd_cluster, "span")
+    box = "ftrun/mail/node0/"
+    lanes = [f"{box}node{n}/{i}" for n in range(1, 200) for i in (1, 2)]
+    writer.set_many([(f"{box}node7/1", b"seven"), (f"{box}n", b"3"), ("ftrun/mail/node01/x", b"next box"),
+                     ("gone", b"x")])
+    requests = []
+    call = kv._cluster.call
+    kv._cluster.call = lambda path, body: requests.append(path) or call(path, body)
+    wanted = [f"{box}n", *lanes, "elsewhere"]
+    values = kv.read_many(wanted, deleting=["gone"], spans=[box])
+    assert values == [b"3"] + [b"seven" if key == f"{box}node7/1" else None for key in lanes] + [None]
+    assert requests == ["kv/txn"] and not kv.check(["gone"])  # the delete, the box and the other key: one txn
+    requests.clear()
+    assert kv.read_many(wanted, spans=[box]) == values and requests == ["kv/range", "kv/range"]
+    writer.set_many([(f"{box}junk/{i}", b"flood") for i in range(SPAN_LIMIT)])
+    requests.clear()
+    assert kv.read_many(wanted[:5], spans=[box]) == values[:5] and len(requests) == 1 + 5
 
 
 def test_a_wait_sees_a_key_written_while_it_watches_and_interrupt_ends_it(etcd_cluster):

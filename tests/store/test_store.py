@@ -21,7 +21,7 @@ from ftrun.store.client import STORE_START_WAIT, connect, open_client, parse_end
 from ftrun.store.job import JobStore, MalformedValue
 from ftrun.store.leases import (FENCE_FRACTION, LEADER_LOOKS_PER_TIMEOUT, START_GRACE, LeaseKeeper, NodeLeases,
                                  first_renewal_delay, next_renewal, watch_leader_lease)
-from ftrun.store.mailbox import MailReader, Outbox
+from ftrun.store.mailbox import IDLE_WAIT, MailReader, Outbox, idle_wait
 from ftrun.store.wire import StoreClient
 from runs import until
 
@@ -539,6 +539,16 @@ def test_keepers_started_together_first_renew_spread_over_one_interval_never_lat
     assert 0.0 < min(delays) and max(delays) <= 2.0
     assert max(delays) - min(delays) > 1.5  # spread over most of the interval
     assert len(set(delays)) == 100
+
+
+@pytest.mark.fast
+def test_readers_woken_together_look_again_at_different_moments_idle_wait_on_average():
+    """Readers that one broadcast woke together do not all look at their lanes again in the same instant: their
+    idle waits spread over most of IDLE_WAIT either side of it, and average IDLE_WAIT (the idle load stays)."""
+    waits = [idle_wait(draw / 100) for draw in range(100)]
+    assert 0.0 < min(waits) and max(waits) < 2 * IDLE_WAIT
+    assert max(waits) - min(waits) > 0.9 * IDLE_WAIT
+    assert abs(sum(waits) / len(waits) - IDLE_WAIT) < 0.05 * IDLE_WAIT
 
 
 @pytest.mark.fast
