@@ -159,12 +159,10 @@ class EtcdKeyValue:
             for (start, answers), (response, at) in zip(reads, responses[len(deleting):]):
                 kvs = response["response_range"].get("kvs") or []
                 if len(kvs) >= SPAN_LIMIT:  # more than a look's worth there: each key on its own
-                    found, at = self._ranges([{"key": b64(self._key(key))} for key in answers])
-                    held = {self._key(key): kvs_[0] for key, kvs_ in zip(answers, found) if kvs_}
-                else:
-                    held = {_unb64(kv["key"]): kv for kv in kvs}
-                learnt += [(key, _unb64(held[self._key(key)].get("value", "")) if self._key(key) in held else None, at)
-                           for key in answers]
+                    found, at = self._ranges([self._read_request(key, False) for key in answers])
+                    kvs = [kv for listed in found for kv in listed]
+                held = {_unb64(kv["key"]): _unb64(kv.get("value", "")) for kv in kvs}
+                learnt += [(key, held.get(self._key(key)), at) for key in answers]
         except (AttributeError, KeyError, TypeError, ValueError, IndexError):
             learnt = []
         values = {key: value for key, value, _ in learnt[len(deleting):]}
@@ -179,7 +177,8 @@ class EtcdKeyValue:
         """A range request for the key ``start``, or (``prefix``) for the first SPAN_LIMIT keys under it."""
         if not prefix:
             return {"key": b64(self._key(start))}
-        return {"key": b64(self._key(start)), "range_end": b64(prefix_end(self._key(start))), "limit": str(SPAN_LIMIT)}
+        key = self._key(start)
+        return {"key": b64(key), "range_end": b64(prefix_end(key)), "limit": str(SPAN_LIMIT)}
 
     def read_watched(self, keys: Sequence[str]) -> list[bytes | None]:
         """The value of each of ``keys`` (None where absent) as a watch on it keeps it known: the first call reads

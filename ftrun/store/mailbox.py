@@ -56,6 +56,7 @@ every reader's watch of the broadcasts (etcd), and one per broadcast cost every 
 AFTER = "_after"
 """The field of a message to one box that says how many broadcasts its sender had sent before it."""
 
+
 def idle_wait(draw: float) -> float:
     """How long a reader waits on its bell before it looks anyway, for a ``draw`` in [0, 1): :data:`IDLE_WAIT`
     on average, spread evenly over IDLE_WAIT x (1 +- :data:`IDLE_SPREAD`). A plan's broadcast wakes every reader
