@@ -81,7 +81,8 @@ LINK_FAULT = EventKind("link_fault", ("gen", "action", "reason", "ranks", "unrea
 """Collectives failed with every worker alive: the same members re-form (``action`` reform), or the fewest
 members whose links do not connect are stopped (exclude; ``ranks``); ``unreachable``: a probe's matrix."""
 HANG = EventKind("hang", ("uid", "rank", "pid", "silent_for", "timeout", "stopped", "in_collective"))
-"""A rank made no progress within its hang timeout: its stacks are dumped, then it is killed."""
+"""A rank made no progress within its hang timeout: its stacks are dumped (unless it is stopped), then it is
+killed."""
 INJECT = EventKind("inject", ("kind", "rank", "uid", "pid", "args"))
 """A drill of ``ftrun inject`` was carried out."""
 NODE_LOST = EventKind("node_lost", ("node", "reason", "ranks"))

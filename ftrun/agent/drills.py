@@ -5,7 +5,7 @@ prefix and in ``ping``), and is recorded as an ``inject`` event as it is carried
 single-threaded, so the event precedes the worker's exit and the recovery; a refused drill is not recorded):
 
 - ``kill``       SIGKILL the worker;
-- ``hang``       SIGSTOP it (the hang watchdog then dumps its stacks and kills it);
+- ``hang``       SIGSTOP it (the hang watchdog then kills it);
 - ``exception``  the worker raises :class:`ftrun.worker.injected.InjectedFault` in its main thread at its next step;
 - ``slow``       the worker sleeps ``seconds`` in each step (0 clears), for ``duration`` seconds if given;
 - ``xid``, ``ecc`` a GPU health signal on the worker's GPU, through the same policy path as a real NVML event.
@@ -92,7 +92,7 @@ class Drills:
     def _hang(self, worker: Worker, _message: dict[str, Any]) -> tuple[str, bool]:
         worker.send_signal(signal.SIGSTOP)
         if self.adopted(worker.uid):
-            return "stopped (SIGSTOP); the hang watchdog will dump its stacks and kill it", True
+            return "stopped (SIGSTOP); the hang watchdog will kill it", True
         return "stopped (SIGSTOP); it does not use the worker API, so no watchdog will notice", False
 
     def _exception(self, worker: Worker, _message: dict[str, Any]) -> tuple[str, bool]:

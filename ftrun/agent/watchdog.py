@@ -1,5 +1,7 @@
 """The agent's hang watchdog: notices a rank that stopped making progress, dumps its stacks, kills it.
 
+A rank whose process is stopped (SIGSTOP, a debugger) is killed without a dump.
+
 The kill turns a hang into the fault every other path already handles: the survivors recover in place. A
 rank is killed once: until it has ended, nothing is judged again (its peers wait for it inside a collective),
 and one still there :data:`~ftrun.agent.shutdown.KILL_WAIT` seconds after SIGKILL is handed back as
@@ -124,13 +126,19 @@ class HangWatchdog:
         self.log.write(events.HANG, uid=uid, rank=worker.slot.rank, pid=worker.pid,
                                 silent_for=round(activity.silent_for, 3), timeout=round(activity.timeout, 3),
                                 stopped=activity.stopped, in_collective=activity.in_collective)
+        # A stopped process cannot run the dump's handler without being resumed, and resumed it would train on
+        # beside its replacement group while faulthandler walks the frames of its running threads (which can
+        # crash it: SIGSEGV). Its stacks say only where the stop caught it: it is killed as it is.
+        what = "stopped: killing it" if activity.stopped else "dumping its stacks, then killing it"
         self.notices.notice(
             f"ftrun: rank {worker.slot.rank} (pid {worker.pid}) made no progress for {activity.silent_for:.1f} s "
-            f"(timeout {activity.timeout:.1f} s): dumping its stacks, then killing it", style="bold yellow")
-        worker.send_signal(STACK_DUMP_SIGNAL)
-        if activity.stopped:  # the dump runs first thing when it resumes; it must not train on for long
-            worker.send_signal(signal.SIGCONT)
-        self.killing[uid] = now + DUMP_GRACE
+            f"(timeout {activity.timeout:.1f} s): {what}", style="bold yellow")
+        if activity.stopped:
+            worker.send_signal(signal.SIGKILL)
+            self.killed[uid] = now
+        else:
+            worker.send_signal(STACK_DUMP_SIGNAL)
+            self.killing[uid] = now + DUMP_GRACE
 
 
 def _is_stopped(pid: int) -> bool:

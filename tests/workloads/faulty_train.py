@@ -11,7 +11,8 @@ communicator under a collective whose future was done when queued: faked where f
 before the first layer's gradients: with FSDP, between the layers' reduce-scatters), refresh (SIGKILL itself
 as it starts the copy of the state of committed step STEP to its buddy, once the copy of the step before is
 complete: that one is then the newest; sharded state only), copying (SIGKILL itself before the step, as kill,
-but with sharded state without waiting for the copies of the step before: they may still be in flight). Each
+but with sharded state without waiting for the copies of the step before: they may still be in flight), sleep
+(sleep SLEEP seconds before the step, in its own code: a rank hung outside any collective, alive). Each
 fault is planted once, in the first attempt only, so a group restart runs clean.
 EXAMPLE (environment) names the example trained: train_ddp (the default) or train_fsdp.
 Every rank prints `commit uid=<uid> step=<n> loss=<float>` for each committed step.
@@ -43,6 +44,10 @@ FAULTS = [f.split(":") for f in os.environ.get("FAULTS", "").split(",") if f] if
 EXAMPLE = importlib.import_module(os.environ.get("EXAMPLE") or "train_ddp")
 SHARDED = EXAMPLE.__name__ == "train_fsdp"
 JOINER = os.environ.get("FTRUN_JOINER") == "1"
+
+
+SLEEP = 600.0
+"""Seconds a ``sleep`` fault sleeps: far past any hang timeout the tests set, so the hang watchdog ends it."""
 
 
 def wait_until(condition: Callable[[], bool], timeout: float = 120.0) -> None:
@@ -93,6 +98,8 @@ def plant(kind: str, step: int, uid: int, training: train_ddp.Training) -> None:
             return f"the data plane's {backend} backend reported COMM_ERROR"
 
         backends.async_error = reported_once
+    if kind == "sleep":
+        time.sleep(SLEEP)
     if kind == "allreduce":
         first = next(iter(training.model.module.parameters()))
         first.register_hook(lambda grad: die())
