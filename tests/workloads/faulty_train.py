@@ -129,22 +129,26 @@ def plant_due(step: int, planted: set[int], training: train_ddp.Training, ft: ft
     """Plant the faults due at ``step`` that ``planted`` (their indices in FAULTS) does not hold yet, and add
     them to it: each fault once, so a step replayed after a recovery does not plant it again.
 
-    With sharded state, for a death due now (kill, backward) every rank that started with the job first waits
-    for its copy of the last committed step (it overlaps the step) and then at a barrier, so the death lands
-    after every copy's window, on every rank alike (a death inside it, which replays a step, is the refresh
-    fault's drill). A rank that leaves the barrier may still owe another its last message, so each counts
-    itself out in the job's store, and a rank about to die waits for all of them: the death hits the
+    For a death due now (kill, backward) every rank counts itself in at the step in the job's store, and a
+    rank about to die waits for all of them: the death lands once every rank has committed the step before
+    (else a survivor the machine's load held back between the last collective of that step and its commit
+    would meet the new plan first and do that step again, a step later than the test's fault step). With
+    sharded state every rank that started with the job first waits for its copy of the last committed step
+    (it overlaps the step) and then at a barrier, so the death lands after every copy's window, on every rank
+    alike (a death inside it, which replays a step, is the refresh fault's drill); a rank that leaves the
+    barrier may still owe another its last message, which the count waits out too: the death hits the
     training, never the barrier."""
     due = [(index, kind, at, uid) for index, (kind, at, uid) in enumerate(FAULTS)
            if index not in planted and (int(at) == step or kind == "recovery")]
     deaths = [int(uid) for _, kind, at, uid in due if kind in ("kill", "backward") and int(at) == step]
-    if SHARDED and not JOINER and deaths:
-        ft.redundancy.wait()
-        dist.barrier()
-        out = f"test/past_barrier/{step}"
-        ft.store.add(out, 1)
+    if deaths and ft.managed and not (SHARDED and JOINER):  # unmanaged (--no-recovery): no recovery to race
+        if SHARDED:
+            ft.redundancy.wait()
+            dist.barrier()
+        arrived = f"test/arrived/{step}"
+        ft.store.add(arrived, 1)
         if UID in deaths:
-            wait_until(lambda: ft.store.add(out, 0) >= dist.get_world_size())
+            wait_until(lambda: ft.store.add(arrived, 0) >= dist.get_world_size())
     for index, kind, at, uid in due:
         planted.add(index)
         plant(kind, int(at), int(uid), training)
