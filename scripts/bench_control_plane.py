@@ -9,11 +9,13 @@ store). The simulated leader runs its own reader (one lane per follower), checks
 (NodeLeases) every ``--monitor-interval`` seconds as the agent's loop does, renews its own lease (etcd) and
 sends plans. Once every reader is up, the followers take their leases, one process's at a time, and watch
 the leader's, and the leader takes its own: from then on, the run is a running job's steady state. Every
-store call of every simulated agent goes through a counter. Per N it reports:
+store call of every simulated agent goes through a counter, and so does every round trip to the store: each
+HTTP request to an etcd member (a watch's stream included) or each message sent to TCPStore, counted where it
+is sent. Per N it reports:
 
-* idle load: store requests per agent per second over ``--idle`` seconds with nothing to say, and the share
-  of the machine's CPU (all its cores) the simulated job used meanwhile: on one machine a plan's delivery
-  has only the rest;
+* idle load: store requests (round trips) per agent per second over ``--idle`` seconds with nothing to say,
+  the calls behind them by kind, and the share of the machine's CPU (all its cores) the simulated job used
+  meanwhile: on one machine a plan's delivery has only the rest;
 * plan delivery: the leader broadcasts one message to every follower (as it relays a plan: one write,
   that each follower's reader waits for), ``--plans`` times; the latency from the start of each broadcast to
   the moment each follower's reader hands the message on, p50 and p99 over all followers and plans; and the
@@ -62,21 +64,23 @@ from ftrun.store.auth import Seal, new_secret
 from ftrun.store.client import open_client_retrying
 from ftrun.store.etcd import EtcdKeyValue
 from ftrun.store.etcd_config import etcd_options
+from ftrun.store.etcd_http import Member
 from ftrun.store.job import JobStore
 from ftrun.store.kv import KeyValue
 from ftrun.store.leases import LeaseKeeper, NodeLeases, watch_leader_lease
 from ftrun.store.mailbox import MailReader, Outbox
+from ftrun.store.wire import StoreClient
 
 
 class Counting:
-    """A store connection that counts every call made through it (into a shared, locked counter); a batch of
-    calls made in one round trip (``read_many``) counts as the calls it holds."""
+    """A store connection that counts every call made through it, by kind (into a shared, locked dict); a
+    batch of calls made at once (``read_many``, ``set_many``) counts as one."""
 
     CALLS = ("set", "get", "add", "check", "wait", "delete_key", "grant_lease", "set_leased", "keep_alive",
              "read_prefix", "read_many", "set_many", "wait_any")
 
-    def __init__(self, kv: KeyValue, counter: list[int], lock: threading.Lock, by_call: dict[str, int]) -> None:
-        self.kv, self.counter, self.lock, self.by_call = kv, counter, lock, by_call
+    def __init__(self, kv: KeyValue, lock: threading.Lock, by_call: dict[str, int]) -> None:
+        self.kv, self.lock, self.by_call = kv, lock, by_call
 
     def __getattr__(self, name: str) -> Any:
         """The connection's ``name``, counted where it is a call; kept on this object, so that the next look-up
@@ -87,14 +91,32 @@ class Counting:
             return attribute
 
         def counted(*args: Any, **kwargs: Any) -> Any:
-            calls = {"read_many": lambda: len(args[0]) + len(args[1] if len(args) > 1 else kwargs.get("deleting", ())),
-                     "set_many": lambda: len(args[0])}.get(name, lambda: 1)()
             with self.lock:
-                self.counter[0] += calls
-                self.by_call[name] = self.by_call.get(name, 0) + calls
+                self.by_call[name] = self.by_call.get(name, 0) + 1
             return attribute(*args, **kwargs)
 
         self.__dict__[name] = counted
+        return counted
+
+
+class RoundTrips:
+    """The store round trips this process makes, counted where they are sent: each HTTP request to an etcd
+    member (a watch's stream included) and each message sent to TCPStore (one may carry several queries)."""
+
+    SENDS = ((Member, "post"), (Member, "stream"), (StoreClient, "_send"))
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.lock = threading.Lock()
+        for owner, name in self.SENDS:
+            setattr(owner, name, self._counted(getattr(owner, name)))
+
+    def _counted(self, send: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            with self.lock:
+                self.count += 1
+            return send(*args, **kwargs)
+
         return counted
 
 
@@ -139,11 +161,11 @@ class Plane:
     requests)."""
 
     def __init__(self, agents: int, node_timeout: float, monitor_interval: float, store: Callable[[], KeyValue],
-                 processes: int, watches_leader: bool) -> None:
+                 processes: int, watches_leader: bool, round_trips: RoundTrips) -> None:
         self.store = store
         self.watches_leader = watches_leader  # etcd: the leader keeps a lease, which the followers watch
         self.seal = Seal(new_secret())
-        self.requests, self.lock = [0], threading.Lock()
+        self.round_trips, self.lock = round_trips, threading.Lock()
         self.by_call: dict[str, int] = {}
         self.agents = agents
         followers = list(range(1, agents))
@@ -165,13 +187,13 @@ class Plane:
 
     def connect(self) -> JobStore:
         """A new counted, torch-free connection to the store."""
-        return JobStore(Counting(self.store(), self.requests, self.lock, self.by_call), self.seal)
+        return JobStore(Counting(self.store(), self.lock, self.by_call), self.seal)
 
     def requests_made(self) -> tuple[int, dict[str, int], int]:
         """Store requests made so far by every simulated agent, in all and by kind of call, and how many
         followers' leases the store ended (their keep-alives came too late)."""
         with self.lock:
-            total, by_call = self.requests[0], dict(self.by_call)
+            total, by_call = self.round_trips.count, dict(self.by_call)
         lapsed = 0
         for child in self.children:
             made, calls, ended = child.ask_requests()
@@ -325,6 +347,7 @@ class Follower:
         result_read, result_write = os.pipe()
         pid = os.fork()
         if pid == 0:
+            plane.round_trips.lock = threading.Lock()  # a thread of the parent's may have held it at the fork
             for fd in [command_write, result_read, *(fd for f in earlier for fd in (f.commands, f.results))]:
                 os.close(fd)
             try:
@@ -383,7 +406,7 @@ class Follower:
                             return
                         with plane.lock, writing:
                             lapsed = sum(lease.lapsed for lease in leases)
-                            out.write(json.dumps([plane.requests[0], plane.by_call, lapsed]) + "\n")
+                            out.write(json.dumps([plane.round_trips.count, plane.by_call, lapsed]) + "\n")
                         continue
                     os.read(selected.fd, 4096)
                     now = time.monotonic()
@@ -497,15 +520,17 @@ def main() -> None:
     args = parser.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    round_trips = RoundTrips()
     backend = f"etcd at {args.etcd}" if args.etcd else "embedded store (TCPStore)"
     print(f"{backend}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; "
           f"--node-timeout {args.node_timeout:g}; followers in {args.processes} processes")
     print(f"{'agents':>7} {'idle requests/agent/s':>22} {'idle CPU %':>10} {'plan p50 ms':>12} {'plan p99 ms':>12} "
           f"{'store ms/plan':>14} {'machine ms/plan':>16} {'end seen p50/max s':>19} {'failover p50 s':>15} "
-          f"{'failover max s':>15}  idle, by call")
+          f"{'failover max s':>15}  idle calls/agent/s, by kind")
     for agents in args.agents:
         connect, store_cpu = etcd_store(args.etcd, agents) if args.etcd else embedded_store()
-        plane = Plane(agents, args.node_timeout, args.monitor_interval, connect, args.processes, bool(args.etcd))
+        plane = Plane(agents, args.node_timeout, args.monitor_interval, connect, args.processes, bool(args.etcd),
+                      round_trips)
         try:
             # every reader connected and waiting on its bell: 1,024 agents starting at once on 2 cores (their
             # connections, leases and watches) took more than a minute on a loaded day
