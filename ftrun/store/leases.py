@@ -11,8 +11,16 @@ Where the backend keeps leases itself (etcd), a node's lease is an etcd lease wi
 its TTL, and its lease key sits on it: a renewal is a keep-alive, and etcd deletes the key once no keep-alive
 came for the TTL, on etcd's clock. A watcher then counts a node lost as soon as its key is gone, not after a
 timeout of its own; a keeper whose keep-alive finds the lease ended fences at once. The leader's eviction ends
-the node's lease too, so its keeper learns of it from its next keep-alive and never looks for the mark: 0.5
+the node's lease too, so its keeper learns of it from its next keep-alive and never looks for the mark. A
+keep-alive goes every third of the TTL, as etcd's own client sends them (:data:`KEEPALIVES_PER_TTL`): 0.3
 requests a second per idle follower at ``--node-timeout 10``.
+
+Fencing does not depend on the cadence: a keeper fences :data:`FENCE_FRACTION` of the timeout after the
+last renewal that went through, counted from when it was sent, and the store (the leader's clock, or etcd's
+TTL) counts the node lost no sooner than the full timeout after it reached it. What the cadence sets is how
+many tries a keeper has before it fences; a renewal that fails is tried again :data:`RETRY_AFTER` seconds
+later rather than at the next renewal (etcd's client waits as long before it tries again), so a lost
+keep-alive, an etcd member going away or an etcd election costs a retry, not a fence.
 """
 
 from __future__ import annotations
@@ -28,7 +36,15 @@ START_GRACE = 60.0
 """Seconds a node has to renew for the first time (its agent may still be starting over ssh), unless
 ``--rdzv-conf join_timeout`` says."""
 RENEWALS_PER_TIMEOUT = 5
-"""A follower renews this many times per ``--node-timeout``."""
+"""A follower renews this many times per ``--node-timeout`` in a store that does not keep leases (the
+embedded one), where the leader counts the timeout from the renewals it sees at its looks."""
+KEEPALIVES_PER_TTL = 3
+"""A follower keeps its lease alive this many times per TTL (``--node-timeout``) where the store keeps leases
+(etcd): clientv3 sends a keep-alive every TTL/3 (``lease.go``). At five per TTL, the keep-alives were two
+thirds of an idle job's requests to etcd."""
+RETRY_AFTER = 0.5
+"""Seconds after a failed renewal before the next try (clientv3's ``retryConnWait``), unless the next renewal is
+due sooner."""
 LEADER_LOOKS_PER_TIMEOUT = 5
 """With etcd, a follower looks at its leader's lease this many times per ``--node-timeout`` (every 2 s at
 10 s), so it knows the leader lost within a fifth of the timeout of etcd ending the lease. A watch on the
@@ -38,7 +54,9 @@ the watch knows, cost 1,024 simulated agents on two cores more than the leases t
 against 14 s)."""
 LEADER_READS_PER_TIMEOUT = 1
 """Of a follower's looks at its leader's lease, this many per ``--node-timeout`` read the key rather than
-take the watch's word: a watch on an etcd member cut off from etcd's leader stays open and hears nothing."""
+take the watch's word: a watch whose connection to its member was cut without a word (a partition that drops
+packets) stays open and hears nothing. (A member cut off from etcd's leader ends its watches itself:
+:data:`~ftrun.store.etcd_http.REQUIRE_LEADER`.)"""
 EVICTION_CHECK_EVERY = 2
 """A follower looks for the leader's eviction mark at every this many renewals (the mark is a backstop: a
 node cut off long enough to be evicted has fenced itself already)."""
@@ -64,6 +82,18 @@ def next_renewal(due: float, now: float, interval: float) -> float:
     starts more than an interval late (its thread held up) is followed at once by one more, then the cadence
     resumes from it: the renewals missed are not made up in a burst."""
     return max(due + interval, now)
+
+
+def renewal_interval(timeout: float, native_leases: bool) -> float:
+    """Seconds between a keeper's renewals, for ``--node-timeout`` ``timeout``, in a store that keeps leases
+    itself (``native_leases``: etcd) or not."""
+    return timeout / (KEEPALIVES_PER_TTL if native_leases else RENEWALS_PER_TIMEOUT)
+
+
+def retry_at(due: float, now: float) -> float:
+    """When to try again after a renewal that failed ``now``, the next being ``due``: :data:`RETRY_AFTER` on,
+    or when it is due if that is sooner."""
+    return min(due, now + RETRY_AFTER)
 
 
 def fence_margin(node_timeout: float) -> float:
@@ -115,22 +145,24 @@ class LeaseKeeper:
 
     def _run(self) -> None:
         store = None
-        interval = self.timeout / RENEWALS_PER_TIMEOUT
+        interval = self.timeout / RENEWALS_PER_TIMEOUT  # the first renewal takes the lease, in any store
         due = time.monotonic() + first_renewal_delay(interval, random.random())
         while not self._stop.wait(max(0.0, due - time.monotonic())):
             sent = time.monotonic()  # the store saw the renewal after this: fencing counts from here
-            due = next_renewal(due, sent, interval)
             try:
                 store = store or self._connect()
+                interval = renewal_interval(self.timeout, store.native_leases)
                 if not self._renew(store):
                     self.lapsed = True
                     return
                 self.renewals += 1
                 self.renewed = sent
+                due = next_renewal(due, sent, interval)
                 if not store.native_leases and self.renewals % EVICTION_CHECK_EVERY == 0:
                     self.evicted = store.is_evicted(self.node_rank)  # native: the eviction ends the lease
             except RuntimeError:
-                store = None  # reconnect on the next renewal
+                store = None  # reconnect on the next try
+                due = retry_at(next_renewal(due, sent, interval), time.monotonic())
 
     def _renew(self, store: JobStore) -> bool:
         """One renewal; False once the store ended this node's (native) lease."""

@@ -6,6 +6,7 @@ import os
 import select
 import signal
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -19,8 +20,10 @@ from ftrun.store import keys
 from ftrun.store.auth import Seal, new_secret
 from ftrun.store.client import STORE_START_WAIT, connect, open_client, parse_endpoint
 from ftrun.store.job import JobStore, MalformedValue
-from ftrun.store.leases import (FENCE_FRACTION, LEADER_LOOKS_PER_TIMEOUT, START_GRACE, LeaseKeeper, NodeLeases,
-                                 first_renewal_delay, next_renewal, watch_leader_lease)
+from ftrun.store import leases as lease_module
+from ftrun.store.leases import (FENCE_FRACTION, KEEPALIVES_PER_TTL, LEADER_LOOKS_PER_TIMEOUT, RENEWALS_PER_TIMEOUT,
+                                 RETRY_AFTER, START_GRACE, LeaseKeeper, NodeLeases, first_renewal_delay,
+                                 next_renewal, renewal_interval, retry_at, watch_leader_lease)
 from ftrun.store.mailbox import IDLE_WAIT, MailReader, Outbox, idle_wait
 from ftrun.store.wire import StoreClient
 from runs import until
@@ -513,7 +516,7 @@ def test_an_etcd_lease_keeper_learns_its_eviction_from_its_next_keep_alive_witho
         until(lambda: keeper.renewals >= 3)  # taken, kept alive twice: it would have looked by now
         NodeLeases(store, [1], timeout=10.0, now=0.0).forget(1)  # the leader counts it lost
         assert original(store, 1) and store.lease_renewals([1]) == {1: None}  # marked, and its key gone
-        until(lambda: keeper.lapsed, timeout=10.0)  # at its next keep-alive, 2 s on at most
+        until(lambda: keeper.lapsed, timeout=10.0)  # at its next keep-alive, 10/3 s on at most
         assert "ended" in keeper.fence_reason(keeper.renewed) and looked == []
     finally:
         keeper.stop()
@@ -529,6 +532,38 @@ def test_a_lease_keeper_that_cannot_reach_the_store_fences_before_the_leader_wou
     assert "could not renew" in keeper.fence_reason(keeper.renewed + 4 * FENCE_FRACTION + 0.01)
     keeper.evicted = True
     assert "declared this node lost" in keeper.fence_reason(keeper.renewed)
+
+
+@pytest.mark.fast
+def test_an_etcd_lease_is_kept_alive_every_third_of_its_ttl_and_a_failed_renewal_is_tried_again_soon():
+    """Keep-alives go as etcd's client sends them (TTL/3); the embedded store's renewals, which the leader counts
+    by its own looks, five per timeout; a failure is tried again RETRY_AFTER on, not a whole interval on."""
+    assert renewal_interval(10.0, native_leases=True) == pytest.approx(10.0 / KEEPALIVES_PER_TTL)
+    assert renewal_interval(10.0, native_leases=False) == pytest.approx(10.0 / RENEWALS_PER_TIMEOUT)
+    assert KEEPALIVES_PER_TTL * FENCE_FRACTION > 2  # two whole intervals of tries before a node fences
+    assert retry_at(due=20.0, now=15.0) == 15.0 + RETRY_AFTER
+    assert retry_at(due=15.2, now=15.0) == 15.2  # the next renewal is due sooner
+
+
+def test_a_keeper_whose_renewal_failed_tries_again_long_before_its_next_renewal(served, monkeypatch):
+    """A store that failed one renewal (a lost keep-alive, an etcd election) is tried again RETRY_AFTER later:
+    with a 60 s timeout the next renewal would be 12 or 20 s on, past the wait below."""
+    monkeypatch.setattr(lease_module, "first_renewal_delay", lambda interval, draw: 0.0)
+    tries: list[float] = []
+
+    def connect() -> JobStore:
+        tries.append(time.monotonic())
+        if len(tries) == 1:
+            raise RuntimeError("connection refused")
+        return served()
+
+    keeper = LeaseKeeper(connect, 1, timeout=60.0)
+    keeper.start()
+    try:
+        until(lambda: keeper.renewals == 1, timeout=8.0)
+        assert len(tries) == 2 and tries[1] - tries[0] >= RETRY_AFTER
+    finally:
+        keeper.stop()
 
 
 @pytest.mark.fast
