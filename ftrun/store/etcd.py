@@ -183,9 +183,9 @@ class EtcdKeyValue:
     def read_watched(self, keys: Sequence[str]) -> list[bytes | None]:
         """The value of each of ``keys`` (None where absent) as a watch on it keeps it known: the first call reads
         them (one transaction) and opens a watch on each from just after that read; later calls cost no request
-        while the watches stay open, and a watch that ended is opened again after a fresh read. A member cut off
-        from etcd's leader hears of no change while its watch stays open: a caller reads with
-        :meth:`read_many` now and then, which these watches learn from too."""
+        while the watches stay open, and a watch that ended is opened again after a fresh read (a member that lost
+        etcd's leader ends its watches). A watch whose connection was cut without a word hears of no change while
+        it stays open: a caller reads with :meth:`read_many` now and then, which these watches learn from too."""
         ranges = {key: KeyRange(key) for key in keys}
         self._kept.keep(ranges.values())
         read: dict[str, bytes | None] = {}

@@ -26,6 +26,12 @@ request limit, 1.5 MiB by default, base64 in JSON)."""
 UNAVAILABLE = frozenset({408, 503, 504})
 """HTTP statuses with which the gateway says the member cannot serve the call now (no leader, a leader changed,
 a deadline passed): as a member that cannot be reached, the call goes to the next."""
+REQUIRE_LEADER = {"Grpc-Metadata-hasleader": "true"}
+"""Headers with which a watch asks its member to end it once the member has been without etcd's leader for three
+election timeouts (etcd's require-leader metadata, ``hasleader``, as clientv3's ``WithRequireLeader`` sets it;
+the gateway passes ``Grpc-Metadata-`` headers on as gRPC metadata). A member cut off from the others keeps a
+plain watch open and silent, and a waiter on it would hear of nothing until its next read; this one ends, and
+the waiter opens it again on a member that hears the writes."""
 KEPT_CONNECTIONS = 4
 """Connections a member's pool keeps open for its calls (more are opened while more calls run at once)."""
 
@@ -75,12 +81,14 @@ class Member:
         return json.loads(answer.data)
 
     def stream(self, path: str, body: dict[str, Any]) -> Stream:
-        """POST ``body`` to ``/v3/<path>`` on a connection of its own and stream the answer (a watch); connecting
-        is bounded by the member's timeout, reading is not. ConnectionError as :meth:`post`."""
+        """POST ``body`` to ``/v3/<path>`` on a connection of its own and stream the answer (a watch, which ends
+        when the member loses etcd's leader: :data:`REQUIRE_LEADER`); connecting is bounded by the member's
+        timeout, reading is not. ConnectionError as :meth:`post`."""
         pool = self._new_pool(1)
         try:
-            answer = pool.urlopen("POST", f"/v3/{path}", body=json.dumps(body).encode(), headers=self.headers,
-                                  retries=False, redirect=False, preload_content=False, decode_content=False,
+            answer = pool.urlopen("POST", f"/v3/{path}", body=json.dumps(body).encode(),
+                                  headers={**self.headers, **REQUIRE_LEADER}, retries=False, redirect=False,
+                                  preload_content=False, decode_content=False,
                                   timeout=self._stream_timeout)
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             pool.close()

@@ -95,10 +95,14 @@ class Known:
 
 def parse_events(line: bytes, prefix: bytes) -> tuple[list[Event], bool]:
     """The changes one line of a watch stream reports, keys without the job's ``prefix`` (others left out), and
-    whether etcd ended the watch with it (cancelled: compaction, or an error); ValueError for a line that is
+    whether etcd ended the watch with it (cancelled: compaction; or the gateway's error, such as the member's
+    loss of etcd's leader, see :data:`~ftrun.store.etcd_http.REQUIRE_LEADER`); ValueError for a line that is
     not etcd's."""
     try:
-        result = json.loads(line)["result"]
+        message = json.loads(line)
+        if isinstance(message.get("error"), dict):
+            return [], True
+        result = message["result"]
         events = []
         for event in result.get("events") or []:
             kv = event["kv"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.server
 import shutil
+import signal
 import socket
 import threading
 import time
@@ -207,6 +208,38 @@ def test_a_client_carries_on_against_the_others_when_one_member_of_three_dies(tm
         thread.join(30)
         assert waited == [None] and kv.get("after") == b"2" and kv.add("n", 1) == 1
         assert kv.get("before") == b"1"
+    finally:
+        cluster.stop()
+
+
+def test_a_wait_on_a_member_that_lost_etcds_leader_ends_rather_than_hear_nothing(tmp_path):
+    """A member cut off from the others keeps a plain watch open and silent. ftrun's watches ask it to end them
+    once it has been without a leader for three election timeouts (1.5 s here): a wait then goes on to another
+    member, or, with none left to ask, says so long before its own time is up."""
+    cluster = Cluster(tmp_path, size=3)
+    try:
+        alone, others = cluster.members[0], cluster.members[1:]
+        reader = EtcdKeyValue(EtcdOptions(parse_endpoints(alone.endpoint), "j"), 5.0)
+        assert reader.wait_any(["bell"], 0.2) == {}  # its watch is open on that member
+
+        def wait() -> None:
+            try:
+                outcome.append(reader.wait_any(["bell"], 120.0))
+            except EtcdUnavailable as exc:
+                outcome.append(exc)
+
+        outcome: list[object] = []
+        waiting = threading.Thread(target=wait, daemon=True)
+        waiting.start()
+        for member in others:  # the member left alone loses etcd's leader
+            member.process.send_signal(signal.SIGSTOP)
+        try:
+            waiting.join(60)
+        finally:
+            for member in others:
+                member.process.send_signal(signal.SIGCONT)
+        assert len(outcome) == 1 and isinstance(outcome[0], EtcdUnavailable), outcome
+        reader.close()
     finally:
         cluster.stop()
 

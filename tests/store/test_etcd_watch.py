@@ -76,7 +76,8 @@ def test_a_watch_streams_lines_are_read_as_events_and_anything_else_ends_it():
     assert parse_events(line, b"/ftrun/j/") == ([("k", b"v", 11), ("gone", None, 12)], False)
     assert parse_events(b'{"result": {"created": true}}', b"/ftrun/j/") == ([], False)
     assert parse_events(b'{"result": {"canceled": true, "compact_revision": "3"}}', b"/") == ([], True)
-    for junk in [b"<html>", b"[1]", b'{"error": {"message": "x"}}', b'{"result": {"events": [{"kv": 1}]}}']:
+    assert parse_events(b'{"error": {"grpc_code": 14, "message": "etcdserver: no leader"}}', b"/") == ([], True)
+    for junk in [b"<html>", b"[1]", b'{"error": "x"}', b'{"result": {"events": [{"kv": 1}]}}']:
         with pytest.raises(ValueError):
             parse_events(junk, b"/")
 
