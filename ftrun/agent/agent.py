@@ -474,10 +474,11 @@ class Agent:
             if routine and now < next_tick:
                 continue
             next_tick = now + self.config.monitor_interval
+            fenced = self._fenced_leader(now)  # first: cut off, each store call below hangs until its timeout
             if self.stopper is not None:
                 self.stopper.tick(now)
-            self.status.tick(now)
-            fallback = self.coordination.tick(now) or self._fenced_leader(now)
+            fallback = self.coordination.tick(now) or fenced
+            self.status.tick(now)  # its writes hang as well: after the lease's and the nodes' checks
             if fallback:
                 result.reason = fallback
                 self.stop_all()

@@ -185,6 +185,11 @@ class Follower:
         """Hangs of this node's workers, the lease, and a stop asked by the leader: the reason to stop, or None."""
         if self.control.stopping():
             return None
+        fence = self.lease.fence_reason(now)  # before any store call: cut off, each hangs until its timeout
+        if fence is not None:
+            self.control.stop_all(signal.SIGKILL)  # at once: a fenced node must not commit one more step
+            self.log.write(events.FENCED, reason=fence)
+            return self.stop_reason or fence  # nor stand for leader
         for worker, waited in self.watchdog.kill_due():
             self.control.abandon(worker, waited)
         stuck = self.watchdog.check([w.uid for w in self.local.live()])
@@ -198,11 +203,7 @@ class Follower:
             if self.stop_reason is not None:
                 self.log.write(events.FENCED, reason=self.stop_reason)
                 self.control.save_and_stop()
-        fence = self.lease.fence_reason(now)
-        if fence is not None:
-            self.control.stop_all(signal.SIGKILL)  # at once: a fenced node must not commit one more step
-            self.log.write(events.FENCED, reason=fence)
-        return self.stop_reason or fence
+        return self.stop_reason
 
     def _leader_silence(self, now: float) -> float | None:
         """Seconds since node 0 last renewed its lease, once that is past --node-timeout (watched with etcd
