@@ -502,6 +502,22 @@ def test_a_forged_or_replayed_lease_renews_nothing_and_a_forged_eviction_evicts_
 
 
 @pytest.mark.parametrize("served", ["etcd"], indirect=True)
+def test_a_leaders_look_at_a_few_nodes_etcd_leases_is_one_request_and_a_followers_at_its_leaders_reads_one_key(
+        served):
+    store, holder = served(), served()
+    for node in (1, 2, 3):
+        holder.take_lease(node, 1, 10.0)
+    paths: list[tuple[str, dict]] = []
+    call = store.kv._cluster.call
+    store.kv._cluster.call = lambda path, body: (paths.append((path, body)), call(path, body))[1]
+    assert store.lease_renewals([1, 2, 3, 4]) == {1: 1, 2: 1, 3: 1, 4: None}
+    assert [path for path, _ in paths] == ["kv/range"]  # one range over every lease, not a read per node
+    paths.clear()
+    assert store.lease_renewals([2]) == {2: 1}
+    assert len(paths) == 1 and "range_end" not in paths[0][1]  # its leader's key alone
+
+
+@pytest.mark.parametrize("served", ["etcd"], indirect=True)
 def test_an_etcd_lease_keeper_learns_its_eviction_from_its_next_keep_alive_without_looking_for_the_mark(
         served, monkeypatch):
     """The leader's eviction ends the node's etcd lease: the keeper's next keep-alive finds it ended and the
