@@ -149,20 +149,20 @@ class LeaseKeeper:
         due = time.monotonic() + first_renewal_delay(interval, random.random())
         while not self._stop.wait(max(0.0, due - time.monotonic())):
             sent = time.monotonic()  # the store saw the renewal after this: fencing counts from here
+            due = next_renewal(due, sent, interval)
             try:
                 store = store or self._connect()
-                interval = renewal_interval(self.timeout, store.native_leases)
+                interval = renewal_interval(self.timeout, store.native_leases)  # from the next renewal on
                 if not self._renew(store):
                     self.lapsed = True
                     return
                 self.renewals += 1
                 self.renewed = sent
-                due = next_renewal(due, sent, interval)
                 if not store.native_leases and self.renewals % EVICTION_CHECK_EVERY == 0:
                     self.evicted = store.is_evicted(self.node_rank)  # native: the eviction ends the lease
             except RuntimeError:
                 store = None  # reconnect on the next try
-                due = retry_at(next_renewal(due, sent, interval), time.monotonic())
+                due = retry_at(due, time.monotonic())
 
     def _renew(self, store: JobStore) -> bool:
         """One renewal; False once the store ended this node's (native) lease."""
