@@ -148,11 +148,16 @@ def etcd_store(endpoints: str, agents: int) -> tuple[Callable[[], KeyValue], Cal
     """A function making connections to a fresh job's keys in the etcd cluster at ``endpoints``, and one
     telling the CPU seconds its members on this machine have used (None when none listens here)."""
     options = etcd_options(endpoints, f"bench-{agents}-{new_secret()[:8]}", {})
+    return lambda: EtcdKeyValue(options, 30.0), members_cpu(endpoints)
+
+
+def members_cpu(endpoints: str) -> Callable[[], float] | None:
+    """A function telling the CPU seconds the etcd members at ``endpoints`` that run on this machine have used
+    (None when none listens here)."""
     ports = {int(endpoint.rpartition(":")[2]) for endpoint in endpoints.split(",")}
     members = [psutil.Process(connection.pid) for connection in psutil.net_connections("tcp")
                if connection.status == psutil.CONN_LISTEN and connection.laddr.port in ports and connection.pid]
-    return (lambda: EtcdKeyValue(options, 30.0),
-            (lambda: sum(sum(member.cpu_times()[:2]) for member in members)) if members else None)
+    return (lambda: sum(sum(member.cpu_times()[:2]) for member in members)) if members else None
 
 
 class Plane:
