@@ -101,8 +101,8 @@ ftrun stops waiting for it and treats it as lost."""
 WRITES_DROPPED = EventKind("writes_dropped", ("what", "count", "since", "error"))
 """Writes that failed (a full disk) were dropped: ``count`` of them to ``what`` from ``since`` (wall clock),
 with ``error``; recorded once writing works again."""
-FORK_SERVER = EventKind("fork_server", ("pid", "state", "reason", "node"), ("seconds", "modules"))
-"""The node's fork server is ``ready`` (its imports took ``seconds``), ``unusable`` (``reason``: workers start as
+FORK_SERVER = EventKind("fork_server", ("pid", "state", "reason", "node"), ("seconds", "modules", "preloaded"))
+"""The node's fork server is ``ready`` (its imports, ``preloaded``, took ``seconds``), ``unusable`` (``reason``: workers start as
 new processes) or ``gone`` (it stopped answering; later workers start as new processes)."""
 GPU_HEALTH = EventKind("gpu_health", ("kind", "gpu", "local_rank", "value", "action", "reason", "source", "detail",
                                       "pids"))

@@ -37,6 +37,9 @@ PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo")
 """What the server imports: what a DDP script has imported by its first optimizer step (DDP's constructor
 imports torch._dynamo, and with it sympy). After these, scripts/bench_workloads/plain_ddp.py imports only its
 own modules on its way to its first step."""
+WORKER_API = ("ftrun.worker.session", "ftrun.worker.data")
+"""What the server imports as well for a script that imports ftrun: the worker API ``ftrun.init`` and
+``ftrun.GlobalBatches`` import on first use, so that a forked worker neither reads nor runs them again."""
 SITE_DIR = Path(__file__).resolve().parent / "fork_site"
 """The directory put first on the server's PYTHONPATH: it holds only the server's ``sitecustomize.py``."""
 VARIABLE = "FTRUN_FORK_SERVER"
@@ -69,6 +72,11 @@ def can_serve(command: list[str]) -> bool:
     return len(command) >= 3 and command[0] == sys.executable and command[1] == "-u" and command[2] != "-m"
 
 
+def preload_for(packages: frozenset[str]) -> tuple[str, ...]:
+    """What the server imports for a script that imports ``packages`` (of torch and ftrun)."""
+    return PRELOAD + WORKER_API if "ftrun" in packages else PRELOAD
+
+
 class ForkServer:
     """One running fork server, from the agent's side: start it, learn when it is ready, ask it to fork."""
 
@@ -76,7 +84,7 @@ class ForkServer:
                  preload: tuple[str, ...] = PRELOAD) -> None:
         """Start the server with the workers' ``command`` and their common ``env``; its own output goes to
         ``log_path``. Returns at once: the server imports in the background."""
-        self.events, self.node = sink, node
+        self.events, self.node, self.preload = sink, node, preload
         self.state, self.reason = STARTING, None
         self.torch: dict[str, Any] | None = None  # what the server's torch is: version, CUDA, NCCL (once ready)
         self.control, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -183,7 +191,8 @@ class ForkServer:
         if message.get("ready"):
             self.state, self.torch = READY, message.get("torch")
             self.events.write(events.FORK_SERVER, pid=self.pid, state=READY, reason=None, node=self.node,
-                           seconds=message.get("seconds"), modules=message.get("modules"))
+                           seconds=message.get("seconds"), modules=message.get("modules"),
+                           preloaded=list(self.preload))
         else:
             self._give_up(UNUSABLE, message.get("reason") or "no reason given")
 

@@ -10,9 +10,9 @@ from typing import Any
 
 from ftrun import events
 from ftrun.agent.env import launch_env, worker_env
-from ftrun.agent.forkserver import STARTING, UNUSABLE, ForkRefused, ForkServer, can_serve
+from ftrun.agent.forkserver import STARTING, UNUSABLE, ForkRefused, ForkServer, can_serve, preload_for
 from ftrun.agent.output import LogFiles, WorkerOutput, render_prefix
-from ftrun.agent.script_imports import script_imports_torch
+from ftrun.agent.script_imports import script_imports
 from ftrun.agent.workers import Worker, WorkerSlot, fork_worker, spawn_worker
 from ftrun.config import LaunchConfig
 from ftrun.console import STDERR, STDOUT, Console
@@ -125,11 +125,12 @@ class WorkerPool:
         """Start this node's fork server where it helps (a Python script that imports torch, and no
         --no-fork-server); whether one was started. It imports in the background."""
         config = self.config
-        if not (config.fork_server and can_serve(config.command) and script_imports_torch(config.script)):
+        packages = script_imports(config.script) if config.fork_server and can_serve(config.command) else frozenset()
+        if not packages:
             return False
         try:
             self.fork_server = ForkServer(config.command, launch_env(config), self.run_dir / "fork_server.log",
-                                          self.events, config.node_rank)
+                                          self.events, config.node_rank, preload_for(packages))
         except OSError as error:
             self.console.notice(f"ftrun: no fork server ({error}); workers start as new processes", style="yellow")
             return False

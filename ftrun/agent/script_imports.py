@@ -1,8 +1,8 @@
-"""Whether a worker's script imports torch, read from its source: then a fork server that imports it helps.
+"""Which of torch and ftrun a worker's script imports, read from its source: a fork server that imports them helps.
 
 The script is parsed, not run; so are the modules it imports from its own directory tree (its package,
 ``from model import Net``...), up to :data:`MAX_FILES` files. Any ``import torch...`` / ``from torch...``
-statement counts (or ``import ftrun``: its worker API imports torch), wherever it is: a function that
+statement counts (and ``import ftrun``: its worker API imports torch), wherever it is: a function that
 imports torch will run, or the import would not be there. A script that reaches torch only through an installed package of its own is not recognised: its workers
 start as new processes, as without a fork server.
 """
@@ -16,20 +16,20 @@ from pathlib import Path
 
 MAX_FILES = 200
 """Most source files read for one script."""
-TORCH = ("torch", "ftrun")
-"""Packages whose import means torch (ftrun's worker API imports it)."""
+PACKAGES = frozenset({"torch", "ftrun"})
+"""The installed packages looked for (either means torch: ftrun's worker API imports it)."""
 
 
-def script_imports_torch(script: str) -> bool:
-    """Whether the workers' script (a path, relative to the working directory) imports torch."""
+def script_imports(script: str) -> frozenset[str]:
+    """Which of :data:`PACKAGES` the workers' script (a path, relative to the working directory) imports."""
     path = Path(os.getcwd(), script)
-    return imports_torch(path, path.resolve().parent)
+    return imported_packages(path, path.resolve().parent)
 
 
-def imports_torch(entry: Path, root: Path) -> bool:
-    """Whether ``entry`` or a module it imports from under ``root`` (its sys.path[0]) imports torch."""
-    todo, seen = [entry], set()
-    while todo and len(seen) < MAX_FILES:
+def imported_packages(entry: Path, root: Path) -> frozenset[str]:
+    """Which of :data:`PACKAGES` ``entry`` or a module it imports from under ``root`` (its sys.path[0]) imports."""
+    todo, seen, found = [entry], set(), set()
+    while todo and len(seen) < MAX_FILES and found != PACKAGES:
         path = todo.pop()
         if path in seen:
             continue
@@ -39,10 +39,11 @@ def imports_torch(entry: Path, root: Path) -> bool:
         except (OSError, SyntaxError, ValueError):
             continue
         for base, name in _imported(tree, path, root):
-            if base == root and name.split(".")[0] in TORCH:
-                return True
-            todo.extend(_sources(base, name))
-    return False
+            if base == root and name.split(".")[0] in PACKAGES:
+                found.add(name.split(".")[0])
+            else:
+                todo.extend(_sources(base, name))
+    return frozenset(found)
 
 
 def _imported(tree: ast.AST, path: Path, root: Path) -> Iterator[tuple[Path, str]]:

@@ -21,8 +21,8 @@ import psutil
 import pytest
 
 from ftrun.agent import forkserver
-from ftrun.agent.forkserver import ForkServer, can_serve
-from ftrun.agent.script_imports import script_imports_torch
+from ftrun.agent.forkserver import PRELOAD, WORKER_API, ForkServer, can_serve, preload_for
+from ftrun.agent.script_imports import script_imports
 from ftrun.events import EventLog
 from ftrun.status.render import describe
 from runs import TIMEOUT, read_run
@@ -64,6 +64,7 @@ def test_a_forked_worker_is_a_new_process_to_the_script_and_restarts_from_the_se
     assert [e["forked"] for e in forked.of("worker_start")] == [True] * 2 * NPROC, why
     assert [e["forked"] for e in new.of("worker_start")] == [False] * 2 * NPROC and not new.of("fork_server"), why
     assert [e["state"] for e in forked.of("fork_server")] == ["ready"], why
+    assert forked.of("fork_server")[0]["preloaded"] == list(PRELOAD), why  # a torch script: no worker API
 
     # the same exit statuses, an exit code and a death by signal, each seen by the agent as it happened
     def planted(run) -> list[tuple[int, int]]:
@@ -157,6 +158,7 @@ def test_a_script_imports_torch_itself_or_through_its_own_modules(tmp_path, monk
     files = {
         "direct.py": "import os\nfrom torch import nn\n",
         "api.py": "import ftrun.worker as ft\n",
+        "both.py": "import ftrun\nfrom model import Net\n",
         "lazy.py": "def main():\n    import torch.distributed\n",
         "via_module.py": "from model import Net\n",
         "model.py": "import torch\nNet = None\n",
@@ -172,12 +174,15 @@ def test_a_script_imports_torch_itself_or_through_its_own_modules(tmp_path, monk
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
-    torch_scripts = {"direct.py", "api.py", "lazy.py", "via_module.py", "via_package.py", "model.py", "pkg/sub.py",
-                     "pkg/inner.py"}
-    for name in files:
-        if name.endswith(".py") and not name.endswith("__init__.py"):
-            assert script_imports_torch(name) == (name in torch_scripts), name
-    assert not script_imports_torch("missing.py")
+    torch_scripts = {"direct.py", "lazy.py", "via_module.py", "via_package.py", "model.py", "pkg/sub.py", "pkg/inner.py"}
+    imported = {name: script_imports(name) for name in files if name.endswith(".py") and not name.endswith("__init__.py")}
+    assert imported == {name: frozenset({"torch"}) if name in torch_scripts else
+                        frozenset({"ftrun"}) if name == "api.py" else
+                        frozenset({"torch", "ftrun"}) if name == "both.py" else frozenset() for name in imported}
+    assert script_imports("missing.py") == frozenset()
+    # what the fork server imports for each: torch's modules, and the worker API's where the script imports ftrun
+    assert preload_for(frozenset({"torch"})) == PRELOAD
+    assert preload_for(imported["api.py"]) == preload_for(imported["both.py"]) == PRELOAD + WORKER_API
 
 
 @pytest.mark.fast

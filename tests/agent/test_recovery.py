@@ -12,6 +12,7 @@ import re
 
 import pytest
 
+from ftrun.agent.forkserver import WORKER_API
 from runs import NATIVE, NO_WATCHDOG, NPROC, PHASES, RTOL, STEPS, check_in_place, check_steps
 
 pytestmark = pytest.mark.compat  # every test here runs on torch's current release too (.ci/run)
@@ -76,6 +77,7 @@ def test_respawned_worker_rejoins_with_a_peers_state_and_world_returns_to_4(laun
     assert respawned[0]["joiner"] and respawned[0]["local_rank"] == 2, why
     # every worker, the replacement too, came from the fork server (a torch script; none was refused)
     assert all(e["forked"] for e in run.of("worker_start")) and not run.of("fork_server")[1:], why
+    assert set(WORKER_API) <= set(run.of("fork_server")[0]["preloaded"]), why  # a script of the worker API's
     assert {e["uid"]: e["exitcode"] for e in run.of("worker_exit")}[4] == 0, why
     # the joiner committed every step from the rejoin on, as rank 3 of 4, with the baseline's losses
     assert [c.step for c in run.commits()[4]] == list(range(8, STEPS)), why
