@@ -23,6 +23,7 @@ import pytest
 from ftrun.agent import forkserver
 from ftrun.agent.forkserver import PRELOAD, WORKER_API, ForkServer, can_serve, preload_for
 from ftrun.agent.script_imports import script_imports
+from ftrun.agent.workers import WorkerSlot, fork_worker, spawn_worker
 from ftrun.events import EventLog
 from ftrun.status.render import describe
 from runs import TIMEOUT, read_run
@@ -81,6 +82,59 @@ def test_a_forked_worker_is_a_new_process_to_the_script_and_restarts_from_the_se
     for key in DRAWN:
         values = [json.dumps(facts_of(outs["forked"], a, r)[key]) for a in (0, 1) for r in range(NPROC)]
         assert len(set(values)) == len(values), key
+
+
+# A module that, like torch's C++ libraries, registers a C exit handler when it is imported: at exit() it removes
+# the file MARKER names. The script then leaves work for its own end: a Python atexit function, a file object it
+# never closes, C stdio output it never flushes, and exit code 3.
+EXIT_HANDLER_MODULE = """
+import ctypes, os
+libc = ctypes.CDLL(None)
+libc.strdup.restype = ctypes.c_void_p  # C memory: Python's end, before exit(), frees its own objects
+libc.__cxa_atexit(ctypes.cast(libc.unlink, ctypes.c_void_p), ctypes.c_void_p(libc.strdup(os.environ["MARKER"].encode())), None)
+"""
+EXIT_SCRIPT = """
+import atexit, ctypes, sys
+import registers_exit_handler
+out = sys.argv[1]
+atexit.register(lambda: open(out + "/atexit", "w").write("ran"))
+leftover = open(out + "/leftover", "w")
+leftover.write("flushed when Python ends")
+libc = ctypes.CDLL(None)
+libc.fopen.restype = ctypes.c_void_p
+libc.fputs.argtypes = (ctypes.c_char_p, ctypes.c_void_p)
+libc.fputs(b"flushed by exit", libc.fopen((out + "/c_stdio").encode(), b"w"))
+sys.exit(3)
+"""
+
+
+def test_a_forked_worker_ends_as_python_does_but_without_the_exit_handlers_of_the_servers_imports(tmp_path):
+    (tmp_path / "registers_exit_handler.py").write_text(EXIT_HANDLER_MODULE)
+    script = tmp_path / "script.py"
+    script.write_text(EXIT_SCRIPT)
+    ends = {}
+    for mode in ("new", "forked"):
+        out, marker = tmp_path / mode, tmp_path / f"{mode}.marker"
+        out.mkdir()
+        marker.touch()
+        command = [sys.executable, "-u", str(script), str(out)]
+        env = dict(os.environ, MARKER=str(marker))
+        slot, error_file = WorkerSlot(uid=0, worker_id="0:0", local_rank=0, rank=0), tmp_path / mode / "error.json"
+        if mode == "new":
+            worker = spawn_worker(slot, command, env, error_file)
+        else:  # the server imports the module, so its handler is registered before the fork, as torch's are
+            server = ForkServer(command, env, tmp_path / "fork_server.log", EventLog(tmp_path / "events.jsonl"),
+                                node=0, preload=("registers_exit_handler",))
+            assert server.ready(wait=TIMEOUT), server.reason
+            worker = fork_worker(server, slot, env, error_file)
+        exitcode, stderr = worker.exit.collect(), worker.stderr.read()
+        if mode == "forked":
+            server.close()
+        ends[mode] = (exitcode, stderr, {name: (out / name).read_text() for name in ("atexit", "leftover", "c_stdio")})
+        # a new process runs the module's handler at its exit; a forked worker ends before it would
+        assert marker.exists() == (mode == "forked"), mode
+    assert ends["forked"] == ends["new"] == \
+        (3, b"", {"atexit": "ran", "leftover": "flushed when Python ends", "c_stdio": "flushed by exit"})
 
 
 def start_holding(launcher_env: dict[str, str], script: str, tmp_path: Path, nproc: int) -> tuple[subprocess.Popen,
