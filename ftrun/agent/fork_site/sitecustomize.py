@@ -254,8 +254,8 @@ def _skip_the_servers_exit_handlers() -> None:
     """End this worker, at its exit(), without the C exit handlers the server's imports registered.
 
     Those are torch's C++ static destructors and the CUDA libraries' (unregistering every operator, freeing
-    what the imports allocated): in a forked worker they write to most of the memory it shares with the
-    server, so the kernel copies it page by page, about 0.45 s of CPU and 200 MB of page copies per worker
+    what the imports allocated): in a forked worker they write all over the memory it shares with the
+    server, so the kernel copies it page by page, about 0.45 s of CPU and 80 MB of page copies per worker
     (README, "How workers start"), for nothing a script can see. Everything before exit() runs as in a new
     process: Python's end (threads joined, atexit functions, finalizers, its files flushed) and the exit
     status it chose. exit() then runs the handlers registered after this one (by the script's own libraries)
