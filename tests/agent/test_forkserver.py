@@ -122,15 +122,18 @@ def test_a_forked_worker_ends_as_python_does_but_without_the_exit_handlers_of_th
         slot, error_file = WorkerSlot(uid=0, worker_id="0:0", local_rank=0, rank=0), tmp_path / mode / "error.json"
         if mode == "new":
             worker = spawn_worker(slot, command, env, error_file)
+            ended = (worker.reap(), worker.stderr.read())
         else:  # the server imports the module, so its handler is registered before the fork, as torch's are
             server = ForkServer(command, env, tmp_path / "fork_server.log", EventLog(tmp_path / "events.jsonl"),
                                 node=0, preload=("registers_exit_handler",))
-            assert server.ready(wait=TIMEOUT), server.reason
-            worker = fork_worker(server, slot, env, error_file)
-        exitcode, stderr = worker.exit.collect(), worker.stderr.read()
-        if mode == "forked":
-            server.close()
-        ends[mode] = (exitcode, stderr, {name: (out / name).read_text() for name in ("atexit", "leftover", "c_stdio")})
+            try:
+                assert server.ready(wait=TIMEOUT), server.reason
+                worker = fork_worker(server, slot, env, error_file)
+                ended = (worker.reap(), worker.stderr.read())
+            finally:
+                server.close()
+        worker.close()
+        ends[mode] = (*ended, {name: (out / name).read_text() for name in ("atexit", "leftover", "c_stdio")})
         # a new process runs the module's handler at its exit; a forked worker ends before it would
         assert marker.exists() == (mode == "forked"), mode
     assert ends["forked"] == ends["new"] == \
