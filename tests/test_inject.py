@@ -171,10 +171,12 @@ def test_slow_kill_exception_and_hang_drills_on_one_live_job(held_job, held_base
 
     assert job.finish() == 0, "".join(job.stderr)[-3000:]
     exits = {e["uid"]: e["exitcode"] for e in job.of("worker_exit")}
-    # rank 2 raised: it exits with 1, unless its interpreter teardown outlasts --hang-timeout (seen on a
-    # loaded machine: stuck garbage-collecting the group), and the watchdog kills it (a hang event for it)
+    # rank 2 raised: it exits with 1. A teardown that outlasts --hang-timeout (a loaded machine starves it of
+    # CPU) is a hang: its stack dump is asked for, and it is killed DUMP_GRACE s later unless its exit (1) comes
+    # first, as it did in CI. Only a rank the watchdog flagged is killed.
     hung = {e["uid"] for e in job.of("hang")}
-    assert exits == {0: 0, 1: -9, 2: -9 if 2 in hung else 1, 3: -9} and 1 in hung
+    assert exits[2] == 1 or (exits[2] == -9 and 2 in hung), (exits, hung)
+    assert {uid: code for uid, code in exits.items() if uid != 2} == {0: 0, 1: -9, 3: -9} and 1 in hung
     # the stopped rank 1 was killed as it was: resumed for a stack dump, it would train on, and the dump of its
     # running threads could crash it (SIGSEGV, not SIGKILL)
     assert 2 in hung or "most recent call first" not in "".join(job.stderr)
