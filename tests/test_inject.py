@@ -171,9 +171,9 @@ def test_slow_kill_exception_and_hang_drills_on_one_live_job(held_job, held_base
 
     assert job.finish() == 0, "".join(job.stderr)[-3000:]
     exits = {e["uid"]: e["exitcode"] for e in job.of("worker_exit")}
-    # rank 2 raised: it exits with 1. A teardown that outlasts --hang-timeout (a loaded machine starves it of
-    # CPU) is a hang: its stack dump is asked for, and it is killed DUMP_GRACE s later unless its exit (1) comes
-    # first, as it did in CI. Only a rank the watchdog flagged is killed.
+    # rank 2 raised: it exits with 1. A teardown that outlasts --hang-timeout (seen on loaded machines) is a
+    # hang: its stack dump is asked for, and it is killed DUMP_GRACE s later unless its exit (1) comes first, as
+    # it did in one CI run. Only a rank the watchdog flagged is killed.
     hung = {e["uid"] for e in job.of("hang")}
     assert exits[2] == 1 or (exits[2] == -9 and 2 in hung), (exits, hung)
     assert {uid: code for uid, code in exits.items() if uid != 2} == {0: 0, 1: -9, 3: -9} and 1 in hung
