@@ -112,14 +112,14 @@ def test_a_forked_worker_ends_as_python_does_but_without_the_exit_handlers_of_th
     (tmp_path / "registers_exit_handler.py").write_text(EXIT_HANDLER_MODULE)
     script = tmp_path / "script.py"
     script.write_text(EXIT_SCRIPT)
-    ends = {}
+    ends, slot = {}, WorkerSlot(uid=0, worker_id="0:0", local_rank=0, rank=0)
     for mode in ("new", "forked"):
         out, marker = tmp_path / mode, tmp_path / f"{mode}.marker"
         out.mkdir()
         marker.touch()
         command = [sys.executable, "-u", str(script), str(out)]
         env = dict(os.environ, MARKER=str(marker))
-        slot, error_file = WorkerSlot(uid=0, worker_id="0:0", local_rank=0, rank=0), tmp_path / mode / "error.json"
+        error_file = out / "error.json"
         if mode == "new":
             worker = spawn_worker(slot, command, env, error_file)
             ended = (worker.reap(), worker.stderr.read())
