@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import faulthandler
 import os
+import signal
 import sys
 import threading
 import time
@@ -92,7 +93,7 @@ class Session:
         self.entered = EnteredNotice(lambda step: self.channel.send(protocol.ENTERED, step=step))
         self.progress = ProgressNotice(lambda gen, step, step_time: self.channel.send(
             protocol.PROGRESS, gen=gen, step=step, time=time.time(), step_time=step_time))
-        faulthandler.register(protocol.STACK_DUMP_SIGNAL, all_threads=True)  # the agent's hang watchdog asks
+        answer_stack_dump_requests()
         sizes = [int(n) for n in os.environ.get("FTRUN_NODE_SIZES", os.environ["WORLD_SIZE"]).split(",")]
         first = None if self.spare else Plan(0, initial_members(sizes))
         with self._cond:
@@ -529,3 +530,16 @@ def init(backend: str | None = None, timeout: timedelta = timedelta(minutes=30))
     if _session is None:
         _session = Session(backend, timeout)
     return _session
+
+
+def answer_stack_dump_requests() -> None:
+    """Dump every thread's Python stack to stderr at the hang watchdog's request (``STACK_DUMP_SIGNAL``).
+
+    faulthandler lets go of the signal near the end of Python's finalization, restoring the disposition it
+    found. That one is "ignore", not the default (which ends the process): a request that lands in a worker's
+    last moments, while it is slow to exit, is then lost rather than the worker's death by signal. (Python
+    sets a disposition only from the main thread: a session begun in another keeps the default.)
+    """
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(protocol.STACK_DUMP_SIGNAL, signal.SIG_IGN)
+    faulthandler.register(protocol.STACK_DUMP_SIGNAL, all_threads=True)

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import re
 import signal
+import subprocess
+import sys
 
 import pytest
 
 from runs import NPROC, TIMEOUT, TRAINING, check_in_place, read_run
 from ftrun.agent.watchdog import HangWatchdog
 from ftrun.health.hangs import HangPolicy, hang_timeout
+from ftrun.protocol import STACK_DUMP_SIGNAL
 
 
 @pytest.mark.fast
@@ -23,6 +26,22 @@ def test_steps_told_in_one_progress_message_each_count_towards_the_warmup():
     watchdog.committed(0, 5, 0.01)
     assert watchdog.progress[0].committed == 6
     assert hang_timeout(policy, watchdog.progress[0].step_times, watchdog.progress[0].committed) == 3.0
+
+
+def test_a_dump_request_after_faulthandler_let_go_is_lost_not_the_workers_death():
+    """A worker slow to exit can be declared hung after Python's end has unregistered faulthandler's handler:
+    the request then finds the disposition from before (ignore), and the worker still ends with its own status."""
+    script = (
+        "import faulthandler, os, sys\n"
+        "from ftrun.worker.session import answer_stack_dump_requests\n"
+        "answer_stack_dump_requests()\n"
+        f"os.kill(os.getpid(), {int(STACK_DUMP_SIGNAL)})\n"  # while running: the stacks go to stderr
+        f"faulthandler.unregister({int(STACK_DUMP_SIGNAL)})\n"  # as Python's finalization does
+        f"os.kill(os.getpid(), {int(STACK_DUMP_SIGNAL)})\n"
+        "sys.exit(1)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, (done.returncode, done.stderr[-2000:])
+    assert done.stderr.count("most recent call first") == 1, done.stderr[-2000:]
 
 
 def test_a_rank_asleep_in_its_own_code_is_dumped_killed_and_the_survivors_recover_in_place(
