@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import atexit
-import faulthandler
 import os
-import signal
 import sys
 import threading
 import time
@@ -35,6 +33,7 @@ from ftrun.worker.planes import Planes
 from ftrun.worker.progress import ProgressNotice
 from ftrun.worker.redundancy import Rebuild, Redundancy, is_sharded, refresh_interval
 from ftrun.worker.shards import Choice, Holding, choose
+from ftrun.worker.stack_dumps import answer_stack_dump_requests
 from ftrun.worker.steps import CollectiveFailed, StepCollectives
 from ftrun.worker.state import Stateful, best_rescue, load_into, save_rescue, snapshot
 
@@ -530,16 +529,3 @@ def init(backend: str | None = None, timeout: timedelta = timedelta(minutes=30))
     if _session is None:
         _session = Session(backend, timeout)
     return _session
-
-
-def answer_stack_dump_requests() -> None:
-    """Dump every thread's Python stack to stderr at the hang watchdog's request (``STACK_DUMP_SIGNAL``).
-
-    faulthandler lets go of the signal near the end of Python's finalization, restoring the disposition it
-    found. That one is "ignore", not the default (which ends the process): a request that lands in a worker's
-    last moments, while it is slow to exit, is then lost rather than the worker's death by signal. (Python
-    sets a disposition only from the main thread: a session begun in another keeps the default.)
-    """
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(protocol.STACK_DUMP_SIGNAL, signal.SIG_IGN)
-    faulthandler.register(protocol.STACK_DUMP_SIGNAL, all_threads=True)

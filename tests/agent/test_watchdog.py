@@ -33,7 +33,7 @@ def test_a_dump_request_after_faulthandler_let_go_is_lost_not_the_workers_death(
     the request then finds the disposition from before (ignore), and the worker still ends with its own status."""
     script = (
         "import faulthandler, os, sys\n"
-        "from ftrun.worker.session import answer_stack_dump_requests\n"
+        "from ftrun.worker.stack_dumps import answer_stack_dump_requests\n"
         "answer_stack_dump_requests()\n"
         f"os.kill(os.getpid(), {int(STACK_DUMP_SIGNAL)})\n"  # while running: the stacks go to stderr
         f"faulthandler.unregister({int(STACK_DUMP_SIGNAL)})\n"  # as Python's finalization does
