@@ -44,6 +44,19 @@ def test_a_dump_request_after_faulthandler_let_go_is_lost_not_the_workers_death(
     assert done.stderr.count("most recent call first") == 1, done.stderr[-2000:]
 
 
+def test_a_session_begun_outside_the_main_thread_still_answers_dump_requests():
+    """Python sets a signal's disposition only from the main thread: elsewhere the ignore is left out, not the dump."""
+    script = (
+        "import os, threading\n"
+        "from ftrun.worker.stack_dumps import answer_stack_dump_requests\n"
+        "begun = threading.Thread(target=answer_stack_dump_requests)\n"
+        "begun.start(); begun.join()\n"
+        f"os.kill(os.getpid(), {int(STACK_DUMP_SIGNAL)})\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, (done.returncode, done.stderr[-2000:])
+    assert done.stderr.count("most recent call first") == 1, done.stderr[-2000:]
+
+
 def test_a_rank_asleep_in_its_own_code_is_dumped_killed_and_the_survivors_recover_in_place(
         run_ftrun, workload, baseline, tmp_path):
     """Worker 2 sleeps before step 6, outside any collective, while its peers wait in step 6's: it alone is
