@@ -28,31 +28,35 @@ def test_steps_told_in_one_progress_message_each_count_towards_the_warmup():
     assert hang_timeout(policy, watchdog.progress[0].step_times, watchdog.progress[0].committed) == 3.0
 
 
+DUMP_REQUEST = f"os.kill(os.getpid(), {int(STACK_DUMP_SIGNAL)})\n"  # as the agent's watchdog asks
+
+
+def run_answering(*lines: str) -> subprocess.CompletedProcess[str]:
+    """A Python process that imports os, faulthandler and threading, answers dump requests, then runs ``lines``."""
+    script = ("import faulthandler, os, threading\n"
+              "from ftrun.worker.stack_dumps import answer_stack_dump_requests\n" + "".join(lines))
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+
+
 def test_a_dump_request_after_faulthandler_let_go_is_lost_not_the_workers_death():
     """A worker slow to exit can be declared hung after Python's end has unregistered faulthandler's handler:
     the request then finds the disposition from before (ignore), and the worker still ends with its own status."""
-    script = (
-        "import faulthandler, os, sys\n"
-        "from ftrun.worker.stack_dumps import answer_stack_dump_requests\n"
-        "answer_stack_dump_requests()\n"
-        f"os.kill(os.getpid(), {int(STACK_DUMP_SIGNAL)})\n"  # while running: the stacks go to stderr
-        f"faulthandler.unregister({int(STACK_DUMP_SIGNAL)})\n"  # as Python's finalization does
-        f"os.kill(os.getpid(), {int(STACK_DUMP_SIGNAL)})\n"
-        "sys.exit(1)\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    done = run_answering(
+        "answer_stack_dump_requests()\n",
+        DUMP_REQUEST,  # while running: the stacks go to stderr
+        f"faulthandler.unregister({int(STACK_DUMP_SIGNAL)})\n",  # as Python's finalization does
+        DUMP_REQUEST,
+        "raise SystemExit(1)\n")
     assert done.returncode == 1, (done.returncode, done.stderr[-2000:])
     assert done.stderr.count("most recent call first") == 1, done.stderr[-2000:]
 
 
 def test_a_session_begun_outside_the_main_thread_still_answers_dump_requests():
     """Python sets a signal's disposition only from the main thread: elsewhere the ignore is left out, not the dump."""
-    script = (
-        "import os, threading\n"
-        "from ftrun.worker.stack_dumps import answer_stack_dump_requests\n"
-        "begun = threading.Thread(target=answer_stack_dump_requests)\n"
-        "begun.start(); begun.join()\n"
-        f"os.kill(os.getpid(), {int(STACK_DUMP_SIGNAL)})\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    done = run_answering(
+        "begun = threading.Thread(target=answer_stack_dump_requests)\n",
+        "begun.start(); begun.join()\n",
+        DUMP_REQUEST)
     assert done.returncode == 0 and "Traceback" not in done.stderr, (done.returncode, done.stderr[-2000:])
     assert done.stderr.count("most recent call first") == 1, done.stderr[-2000:]
 
