@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import socket
@@ -205,8 +204,7 @@ def build_config(
                          "store), or etcd / etcd-v2 (an etcd cluster holds it)")
     if max_restarts < 0:
         raise UsageError("--max-restarts must be 0 or more")
-    if not 0 < monitor_interval < math.inf:
-        raise UsageError(f"--monitor-interval must be a positive number of seconds, not {monitor_interval}")
+    flag_values.seconds("--monitor-interval", monitor_interval)
     shutdown_timeout = flag_values.shutdown_timeout(shutdown_timeout)
     conf = flag_values.parse_rdzv_conf(rdzv_conf)
     bind, node_start_timeout = conf.get("bind"), flag_values.join_timeout(conf, LaunchConfig.node_start_timeout)
@@ -253,8 +251,8 @@ def build_config(
         flag_values.check_spares_fit(nproc, recovery.spares)
     for flag, seconds in (("--recovery-timeout", recovery.recovery_timeout), ("--join-timeout", recovery.join_timeout),
                           ("--hang-timeout", recovery.hang_timeout), ("--node-timeout", node_timeout)):
-        if seconds is not None and not 0 < seconds < math.inf:
-            raise UsageError(f"{flag} must be a positive number of seconds, not {seconds}")
+        if seconds is not None:
+            flag_values.seconds(flag, seconds)
     if metrics_port is not None and not 0 < metrics_port < 65536:
         raise UsageError(f"--metrics-port {metrics_port}: a port is between 1 and 65535")
     if multinode and monitor_interval > fence_margin(node_timeout) / 2:

@@ -4,7 +4,6 @@ returns what the launch configuration holds, or raises UsageError with a line th
 from __future__ import annotations
 
 import ipaddress
-import math
 import os
 import shutil
 import signal
@@ -14,9 +13,24 @@ from pathlib import Path
 
 from ftrun.errors import UsageError
 from ftrun.launcher.hosts import MAX_WORKERS_PER_NODE, Host, parse_host_list, read_hostfile
+from ftrun.paths import is_dir, is_file
 from ftrun.store import etcd_config
 from ftrun.store.auth import SECRET_FILE_VARIABLE, new_secret, read_secret_file
 from ftrun.store.etcd_config import EtcdOptions
+
+MAX_SECONDS = 1_000_000.0
+"""The longest duration a flag may give, about 11.6 days. Every wait made on one (a select, a sleep, a
+deadline twice as far) must fit in what the system's waits take: epoll's timeout is at most 2**31 - 1 ms,
+about 24.8 days, and a longer one raises OverflowError instead of waiting."""
+
+
+def seconds(flag: str, value: float, *, zero: bool = False) -> float:
+    """``value``, when it is a duration ``flag`` may give: more than 0 (or 0, with ``zero``) and at most
+    :data:`MAX_SECONDS`; else UsageError (nan and infinities included)."""
+    if not ((0 <= value) if zero else (0 < value)) or not value <= MAX_SECONDS:
+        least = "0 or more" if zero else "a positive number of"
+        raise UsageError(f"{flag} must be {least} seconds, at most {MAX_SECONDS:,.0f}, not {value:g}")
+    return value
 
 
 def parse_nnodes(value: str) -> tuple[int, int]:
@@ -161,7 +175,7 @@ def worker_command(script: str, script_args: list[str], module: bool, no_python:
     if module and no_python:
         raise UsageError("-m/--module and --no-python cannot be combined")
     if run_path:
-        if not Path(script).is_file():
+        if not is_file(Path(script)):
             raise UsageError(f"script {script!r} not found: give the path of an existing file")
         runner = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
         return [sys.executable, "-u", "-c", runner, os.path.abspath(script), *script_args]
@@ -171,7 +185,7 @@ def worker_command(script: str, script_args: list[str], module: bool, no_python:
         if shutil.which(script) is None:
             raise UsageError(f"--no-python: {script!r} is not an executable file or a command on PATH")
         return [script, *script_args]
-    if not Path(script).is_file():
+    if not is_file(Path(script)):
         raise UsageError(f"script {script!r} not found: give the path of an existing file (or use -m for a module)")
     return [sys.executable, "-u", script, *script_args]
 
@@ -231,25 +245,21 @@ def join_timeout(conf: dict[str, str], default: float) -> float:
     if text is None:
         return default
     try:
-        seconds = float(text)
+        value = float(text)
     except ValueError:
-        seconds = math.nan
-    if not 0 < seconds < math.inf:
-        raise UsageError(f"--rdzv-conf join_timeout={text[:20]}: give the seconds the nodes have to arrive")
-    return seconds
+        raise UsageError(f"--rdzv-conf join_timeout={text[:20]}: give the seconds the nodes have to arrive") from None
+    return seconds("--rdzv-conf join_timeout", value)
 
 
-def shutdown_timeout(seconds: float | None) -> float:
+def shutdown_timeout(value: float | None) -> float:
     """--shutdown-timeout, or torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT (30 s when neither is set)."""
-    if seconds is None:
+    if value is None:
         text = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
         try:
-            seconds = float(text)
+            value = float(text)
         except ValueError:
             raise UsageError(f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={text[:20]!r}: give a number of seconds") from None
-    if not 0 <= seconds < math.inf:
-        raise UsageError(f"--shutdown-timeout must be 0 or more seconds, not {seconds}")
-    return seconds
+    return seconds("--shutdown-timeout", value, zero=True)
 
 
 def run_secret(scheduled: bool) -> str:
@@ -280,7 +290,7 @@ def writable_log_dir(log_dir: str) -> Path:
 def resume_dir(run_dir: str) -> Path:
     """Check that --resume-from names a run directory holding saved state; its absolute path."""
     path = Path(run_dir).absolute()
-    if not (path / "rescue").is_dir() or not any((path / "rescue").glob("*.pt")):
+    if not is_dir(path / "rescue") or not any((path / "rescue").glob("*.pt")):
         raise UsageError(f"--resume-from {run_dir}: no saved state there (no {path / 'rescue'}/*.pt): give the "
                          "run directory of a launch that saved its state, as its 'the state of step N is saved' "
                          "line names it")

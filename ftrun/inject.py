@@ -11,7 +11,6 @@ in the run's event log.
 from __future__ import annotations
 
 import json
-import math
 import random
 import time
 from collections.abc import Callable, Iterable
@@ -21,6 +20,7 @@ from typing import Any
 
 from ftrun import events, protocol, registry
 from ftrun.errors import NoSuchJob, UsageError
+from ftrun.flag_values import seconds
 from ftrun.lines import LineBuffer
 from ftrun.protocol import DRILL_KINDS
 from ftrun.store import keys
@@ -53,11 +53,8 @@ def drill_message(kind: str, value: str | None, rank: int | None, duration: floa
         message["value"] = 1 if value is None else _count(value, "ecc COUNT", "a count of errors")
     elif kind == "slow":
         message["seconds"] = _number(value, float, "slow SECONDS", "seconds added to each step, 0 clears")
-        if not 0 <= message["seconds"] < math.inf:
-            raise UsageError("slow SECONDS must be a number of seconds, 0 or more")
-        if duration is not None and not 0 < duration < math.inf:
-            raise UsageError("--for SECONDS must be a number of seconds, more than 0")
-        message["duration"] = duration
+        seconds("slow SECONDS", message["seconds"], zero=True)
+        message["duration"] = None if duration is None else seconds("--for", duration)
     elif value is not None:
         raise UsageError(f"inject {kind} takes no value (got {value!r})")
     if duration is not None and kind != "slow":
@@ -259,10 +256,9 @@ def await_settled(follower: EventFollower, uid: int, alive: Callable[[], bool], 
 
 
 def check_chaos(mtbf: float, duration: float) -> None:
-    """UsageError unless --mtbf and --duration are numbers of seconds above 0."""
-    for flag, seconds in (("--mtbf", mtbf), ("--duration", duration)):
-        if not 0 < seconds < math.inf:
-            raise UsageError(f"{flag} must be a number of seconds above 0, not {seconds}")
+    """UsageError unless --mtbf and --duration are numbers of seconds a flag may give (above 0)."""
+    seconds("--mtbf", mtbf)
+    seconds("--duration", duration)
 
 
 def _say(line: str) -> None:

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import selectors
+
 import pytest
 
 from conftest import EXAMPLE
 from ftrun import flag_values
+from ftrun.errors import UsageError
 
 HUGE = "9" * 4300  # past the 4,300 digits Python's int() takes: parsing it must not raise
+POSITIVE = "must be a positive number of seconds, at most 1,000,000, not"  # flag_values.seconds, MAX_SECONDS
+NOT_NEGATIVE = "must be 0 or more seconds, at most 1,000,000, not"
 
 
 def policy(name: str, content: bytes):
@@ -41,18 +47,23 @@ def policy(name: str, content: bytes):
     (["--xid-policy", policy("number.json", f'{{"xid": {{"13": {"1" * 5000}}}}}'.encode())], "is not a policy"),
     (["--xid-policy", policy("deep.json", b'{"xid": ' + b"[" * 100_000)], "JSON nested too deeply"),
     (["--xid-policy", policy("deep.toml", b"xid = " + b"[" * 100_000)], "TOML nested too deeply"),
-    (["--monitor-interval", "nan"], "--monitor-interval must be a positive number of seconds, not nan"),
-    (["--monitor-interval", "inf"], "--monitor-interval must be a positive number of seconds, not inf"),
-    (["--node-timeout", "nan"], "--node-timeout must be a positive number of seconds, not nan"),
-    (["--hang-timeout", "nan"], "--hang-timeout must be a positive number of seconds, not nan"),
+    (["--monitor-interval", "nan"], f"--monitor-interval {POSITIVE} nan"),
+    (["--monitor-interval", "inf"], f"--monitor-interval {POSITIVE} inf"),
+    (["--monitor-interval", "1e20"], f"--monitor-interval {POSITIVE} 1e+20"),
+    (["--node-timeout", "nan"], f"--node-timeout {POSITIVE} nan"),
+    (["--hang-timeout", "nan"], f"--hang-timeout {POSITIVE} nan"),
+    (["--hang-timeout", "2e6"], f"--hang-timeout {POSITIVE} 2e+06"),
     (["--recovery-timeout", "-1"], "--recovery-timeout must be a positive number of seconds"),
     (["--join-timeout", "-1"], "--join-timeout must be a positive number of seconds"),
-    (["--shutdown-timeout", "nan"], "--shutdown-timeout must be 0 or more seconds, not nan"),
+    (["--shutdown-timeout", "nan"], f"--shutdown-timeout {NOT_NEGATIVE} nan"),
+    (["--shutdown-timeout", "1e7"], f"--shutdown-timeout {NOT_NEGATIVE} 1e+07"),
+    (["y" * 256], f"script {'y' * 256!r} not found"),  # a name too long to look up: not there, as a missing one
     (["--rdzv-conf", "bind=somewhere"], "--rdzv-conf bind=somewhere: give an IP address of this machine"),
     (["--rdzv-conf", "=1"], "--rdzv-conf '=1' is not valid"),
     (["--rdzv-conf", "join_timeout=soon"], "--rdzv-conf join_timeout=soon: give the seconds the nodes have to arrive"),
-    (["--rdzv-conf", "join_timeout=-5"], "--rdzv-conf join_timeout=-5: give the seconds"),
-    (["--rdzv-conf", "join_timeout=inf"], "--rdzv-conf join_timeout=inf: give the seconds"),
+    (["--rdzv-conf", "join_timeout=-5"], "--rdzv-conf join_timeout must be a positive number of seconds"),
+    (["--rdzv-conf", "join_timeout=inf"], "--rdzv-conf join_timeout must be a positive number of seconds"),
+    (["--rdzv-conf", "join_timeout=1e9"], "--rdzv-conf join_timeout must be a positive number of seconds, at most"),
 ])
 def test_bad_launch_flags_are_one_line_and_exit_2(run_ftrun, tmp_path, args, message):
     args = [arg(tmp_path) if callable(arg) else arg for arg in args]
@@ -102,14 +113,48 @@ def test_a_spare_needs_a_gpu_of_its_own_where_each_worker_has_one(nproc, spares,
 
 
 @pytest.mark.parametrize("args, message", [
-    (["chaos", "--mtbf", "nan", "--duration", "5"], "--mtbf must be a number of seconds above 0, not nan"),
-    (["chaos", "--mtbf", "inf", "--duration", "5"], "--mtbf must be a number of seconds above 0, not inf"),
-    (["chaos", "--mtbf", "1", "--duration", "nan"], "--duration must be a number of seconds above 0, not nan"),
+    (["chaos", "--mtbf", "nan", "--duration", "5"], f"--mtbf {POSITIVE} nan"),
+    (["chaos", "--mtbf", "inf", "--duration", "5"], f"--mtbf {POSITIVE} inf"),
+    (["chaos", "--mtbf", "1", "--duration", "nan"], f"--duration {POSITIVE} nan"),
+    (["chaos", "--mtbf", "1", "--duration", "1e20"], f"--duration {POSITIVE} 1e+20"),
     (["xid", "٧٩", "--rank", "0"], "xid CODE: expected an Xid code"),
     (["xid", HUGE, "--rank", "0"], "xid CODE: expected an Xid code"),
-    (["slow", "nan", "--rank", "0"], "slow SECONDS must be a number of seconds"),
-    (["slow", "1", "--rank", "0", "--for", "nan"], "--for SECONDS must be a number of seconds"),
+    (["slow", "nan", "--rank", "0"], f"slow SECONDS {NOT_NEGATIVE} nan"),
+    (["slow", "1e20", "--rank", "0"], f"slow SECONDS {NOT_NEGATIVE} 1e+20"),
+    (["slow", "1", "--rank", "0", "--for", "nan"], f"--for {POSITIVE} nan"),
 ])
 def test_bad_inject_input_is_one_line_and_exit_2(run_ftrun, private_registry, args, message):
     result = run_ftrun("inject", *args, env=private_registry)
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+
+
+def test_a_path_too_long_to_look_up_is_one_line_wherever_it_is_given(run_ftrun, private_registry, tmp_path):
+    """A name past the system's 255 bytes (ENAMETOOLONG) is a path with nothing there, not a traceback."""
+    long = str(tmp_path / ("z" * 256))
+    for args, code, words in ((["--resume-from", long, EXAMPLE], 2, f"--resume-from {long}: no saved state there"),
+                              (["status", "--log-dir", long], 3, f"--log-dir {long}: no such directory"),
+                              (["report", long], 3, f"{long}: no such directory"),
+                              (["report", "--log-dir", long, "some-run"], 3, f"{long}: no such directory")):
+        result = run_ftrun(*args, env=private_registry)
+        assert result.returncode == code and result.stderr.startswith(f"ftrun: error: {words}"), (args, result)
+        assert result.stderr.count("\n") == 1 and result.stdout == "", (args, result)
+
+
+@pytest.mark.fast
+def test_the_longest_duration_a_flag_takes_is_one_every_wait_can_make_twice_over():
+    """A wait of twice MAX_SECONDS is one the system takes (a longer one raises OverflowError, as
+    --monitor-interval 1e20 did in the agent's loop); MAX_SECONDS itself is accepted, and a hair more is not."""
+    read, write = os.pipe()
+    try:
+        os.write(write, b"x")  # readable: the select answers at once if its timeout is one it takes
+        with selectors.DefaultSelector() as selector:
+            selector.register(read, selectors.EVENT_READ)
+            assert len(selector.select(2 * flag_values.MAX_SECONDS)) == 1
+    finally:
+        os.close(read)
+        os.close(write)
+    assert flag_values.seconds("--hang-timeout", flag_values.MAX_SECONDS) == flag_values.MAX_SECONDS
+    assert flag_values.seconds("--shutdown-timeout", 0.0, zero=True) == 0.0
+    for value, zero in ((flag_values.MAX_SECONDS * 1.000001, False), (0.0, False), (-0.001, True)):
+        with pytest.raises(UsageError):
+            flag_values.seconds("--flag", value, zero=zero)

@@ -14,6 +14,8 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from ftrun.paths import is_dir, is_file
+
 MAX_FILES = 200
 """Most source files read for one script."""
 PACKAGES = frozenset({"torch", "ftrun"})
@@ -66,11 +68,11 @@ def _sources(base: Path, name: str) -> Iterator[Path]:
     directory = base
     for part in name.split("."):
         package = directory / part
-        if (package / "__init__.py").is_file():
+        if is_file(package / "__init__.py"):
             yield package / "__init__.py"
-        elif (directory / f"{part}.py").is_file():
+        elif is_file(directory / f"{part}.py"):
             yield directory / f"{part}.py"
             return
-        elif not package.is_dir():  # not under base (an installed module, or a name imported from a module)
+        elif not is_dir(package):  # not under base (an installed module, or a name imported from a module)
             return
         directory = package

@@ -7,6 +7,7 @@ from pathlib import Path
 from ftrun import registry
 from ftrun.errors import NoSuchJob, UsageError
 from ftrun.events import read_events
+from ftrun.paths import is_dir
 from ftrun.report.svg import render_svg
 from ftrun.report.timeline import build_timeline, parse_losses
 from ftrun.status.sources import run_dirs
@@ -15,11 +16,11 @@ from ftrun.status.sources import run_dirs
 def find_run(run: str | None, log_dir: Path | None) -> Path:
     """The run directory RUN names: a run directory, a directory of runs (its newest), or a run id (under
     ``log_dir`` or the default runs folder; the newest with that id). NoSuchJob when there is none."""
-    if run is not None and ("/" in run or Path(run).is_dir()):  # run ids have no slash
+    if run is not None and ("/" in run or is_dir(Path(run))):  # run ids have no slash
         root, run_id = Path(run), None
     else:
         root, run_id = log_dir or registry.default_runs_root(), run
-    if not root.is_dir():
+    if not is_dir(root):
         raise NoSuchJob(f"{root}: no such directory")
     found = run_dirs(root, run_id)
     if not found:

@@ -10,6 +10,7 @@ from typing import Any
 from ftrun import registry
 from ftrun.errors import NoSuchJob, UsageError
 from ftrun.events import read_events
+from ftrun.paths import is_dir, is_file
 from ftrun.status.document import ended_document, live_document
 from ftrun.store.client import STORE_START_WAIT, check_endpoint, connect_job
 from ftrun.store.job import JobStore, MalformedValue
@@ -87,7 +88,7 @@ def find_targets(endpoint: str | None, run_id: str | None, log_dir: Path | None,
             if run_id is None:
                 raise
     root = log_dir or registry.default_runs_root()
-    if not root.is_dir():
+    if not is_dir(root):
         raise NoSuchJob(f"--log-dir {root}: no such directory")
     found = run_dirs(root, run_id)
     if not found and run_id:
@@ -101,10 +102,14 @@ def find_targets(endpoint: str | None, run_id: str | None, log_dir: Path | None,
 
 def run_dirs(root: Path, run_id: str | None) -> list[Path]:
     """Run directories (holding an events.jsonl) at or under ``root`` whose name is, or starts with,
-    ``run_id`` (any when None), oldest first."""
-    if (root / "events.jsonl").is_file() and (run_id is None or root.name.startswith(run_id)):
+    ``run_id`` (any when None), oldest first; NoSuchJob when ``root`` cannot be listed."""
+    if is_file(root / "events.jsonl") and (run_id is None or root.name.startswith(run_id)):
         return [root]
-    found = [d for d in root.iterdir() if (d / "events.jsonl").is_file()
+    try:
+        entries = list(root.iterdir())
+    except OSError as exc:
+        raise NoSuchJob(f"{root}: cannot list it ({exc.strerror})") from None
+    found = [d for d in entries if is_file(d / "events.jsonl")
              and (run_id is None or d.name == run_id or d.name.startswith(f"{run_id}_"))]
     return sorted(found, key=lambda d: (d / "events.jsonl").stat().st_mtime)
 

@@ -227,11 +227,13 @@ def test_a_script_imports_torch_itself_or_through_its_own_modules(tmp_path, monk
         "broken.py": "import torch(\n",
         "cycle_a.py": "import cycle_b\n",
         "cycle_b.py": "import cycle_a\n",
+        "long_name.py": f"import torch\nimport {'m' * 300}\n",  # no such file can be looked up: not a traceback
     }
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
-    torch_scripts = {"direct.py", "lazy.py", "via_module.py", "via_package.py", "model.py", "pkg/sub.py", "pkg/inner.py"}
+    torch_scripts = {"direct.py", "lazy.py", "via_module.py", "via_package.py", "model.py", "pkg/sub.py",
+                     "pkg/inner.py", "long_name.py"}
     imported = {name: script_imports(name) for name in files if name.endswith(".py") and not name.endswith("__init__.py")}
     assert imported == {name: frozenset({"torch"}) if name in torch_scripts else
                         frozenset({"ftrun"}) if name == "api.py" else
