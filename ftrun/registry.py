@@ -38,10 +38,22 @@ class RunEntry:
         return self.store_url or f"{self.host}:{self.port}"
 
 
+def xdg_dir(variable: str) -> str | None:
+    """The XDG base directory ``variable`` names (XDG_CACHE_HOME, XDG_RUNTIME_DIR), or None when it is unset,
+    empty or relative: the XDG specification has a relative path ignored (it would put ftrun's files under
+    whatever directory a command happens to run in)."""
+    value = os.environ.get(variable, "")
+    return value if os.path.isabs(value) else None
+
+
+def cache_home() -> Path:
+    """``$XDG_CACHE_HOME``, else ``~/.cache``."""
+    return Path(xdg_dir("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"))
+
+
 def default_runs_root() -> Path:
     """Where runs without --log-dir keep their event logs and error files: ``<cache>/ftrun/runs``."""
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    root = Path(cache) / "ftrun" / "runs"
+    root = cache_home() / "ftrun" / "runs"
     try:
         root.mkdir(parents=True, exist_ok=True)
         return root
@@ -61,11 +73,10 @@ def private_dir(path: Path) -> Path:
 
 def registry_dir() -> Path:
     """``$XDG_RUNTIME_DIR/ftrun/runs`` when there is one, else ``<cache>/ftrun/registry``."""
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    runtime = xdg_dir("XDG_RUNTIME_DIR")
     if runtime and os.path.isdir(runtime):
         return Path(runtime) / "ftrun" / "runs"
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "ftrun" / "registry"
+    return cache_home() / "ftrun" / "registry"
 
 
 def register(entry: RunEntry) -> Path:

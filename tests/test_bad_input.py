@@ -77,10 +77,20 @@ def test_bad_launch_flags_are_one_line_and_exit_2(run_ftrun, tmp_path, args, mes
     ({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "soon"}, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT='soon': give a number of seconds"),
     ({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "-1"}, "--shutdown-timeout must be 0 or more seconds"),
     ({"FTRUN_SECRET_FILE": "/nonexistent"}, "FTRUN_SECRET_FILE /nonexistent: cannot read it"),
+    ({"FTRUN_SECRET_FILE": "/"}, "FTRUN_SECRET_FILE /: not a regular file"),
+    ({"FTRUN_SECRET_FILE": "/proc/self/mem"}, "FTRUN_SECRET_FILE /proc/self/mem: cannot read it"),
 ])
 def test_bad_environment_is_one_line_and_exit_2(run_ftrun, env, message):
     result = run_ftrun(EXAMPLE, env=env)
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+
+
+def test_a_secret_file_that_is_a_fifo_is_refused_in_one_line_rather_than_waited_on(run_ftrun, tmp_path):
+    fifo = tmp_path / "secret"
+    os.mkfifo(fifo, 0o600)  # opening it to read would wait for a writer that never comes
+    result = run_ftrun(EXAMPLE, env={"FTRUN_SECRET_FILE": str(fifo)})
+    assert result.returncode == 2 and result.stderr == f"ftrun: error: FTRUN_SECRET_FILE {fifo}: not a regular " \
+        "file; give the file that holds the run's secret\n", result.stderr
 
 
 def test_spares_that_would_share_the_training_workers_gpus_are_one_line_and_exit_2(run_ftrun):

@@ -36,17 +36,24 @@ def new_secret() -> str:
 
 
 def read_secret_file(path: str, what: str) -> str:
-    """The secret in the file at ``path``; UsageError (naming ``what``, the flag or variable) when the file
-    cannot be read, is readable by other users, or is too short to be a secret."""
+    """The secret in the file at ``path``; UsageError (naming ``what``, the flag or variable) when it is not a
+    regular file (a directory; a FIFO, which is not waited on), cannot be read, is readable by other users, or
+    is too short to be a secret."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
         raise UsageError(f"{what} {path}: cannot read it ({exc.strerror})") from None
-    with os.fdopen(fd, "rb") as file:
-        mode = os.fstat(file.fileno()).st_mode
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise UsageError(f"{what} {path}: not a regular file; give the file that holds the run's secret")
         if mode & (stat.S_IRWXG | stat.S_IRWXO):
             raise UsageError(f"{what} {path}: other users may read it (mode {stat.S_IMODE(mode):o}): chmod 600 it")
-        data = file.read(4096)
+        data = os.read(fd, 4096)
+    except OSError as exc:
+        raise UsageError(f"{what} {path}: cannot read it ({exc.strerror})") from None
+    finally:
+        os.close(fd)
     try:
         secret = data.decode("ascii").strip()
     except UnicodeDecodeError:
