@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 
 from ftrun.errors import NoSuchJob, UsageError
+from ftrun.paths import is_dir
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ def running() -> list[RunEntry]:
     """Jobs registered on this machine whose launcher is still alive, oldest first; stale entries are removed."""
     folder = registry_dir()
     entries = []
-    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+    for path in sorted(folder.glob("*.json")) if is_dir(folder) else []:
         try:
             if path.stat().st_uid != os.getuid():
                 continue  # not written by this user: not to be trusted with a secret

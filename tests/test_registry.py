@@ -25,3 +25,11 @@ def test_relative_or_empty_xdg_directories_are_ignored_not_made_under_the_workin
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     assert registry.registry_dir() == work / "relative" / "ftrun" / "runs"
     assert registry.default_runs_root() == tmp_path / "cache" / "ftrun" / "runs"
+
+
+@pytest.mark.fast
+def test_a_registry_folder_too_long_to_look_up_holds_no_running_job(tmp_path, monkeypatch):
+    """`XDG_CACHE_HOME` naming a path past the system's 255 bytes: `ftrun status` finds no job, not a traceback."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / ("c" * 300)))
+    assert registry.running() == []
