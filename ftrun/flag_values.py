@@ -14,20 +14,16 @@ from pathlib import Path
 from ftrun.errors import UsageError
 from ftrun.launcher.hosts import MAX_WORKERS_PER_NODE, Host, parse_host_list, read_hostfile
 from ftrun.paths import is_dir, is_file
+from ftrun.protocol import MAX_SECONDS, is_duration
 from ftrun.store import etcd_config
 from ftrun.store.auth import SECRET_FILE_VARIABLE, new_secret, read_secret_file
 from ftrun.store.etcd_config import EtcdOptions
 
-MAX_SECONDS = 1_000_000.0
-"""The longest duration a flag may give, about 11.6 days. Every wait made on one (a select, a sleep, a
-deadline twice as far) must fit in what the system's waits take: epoll's timeout is at most 2**31 - 1 ms,
-about 24.8 days, and a longer one raises OverflowError instead of waiting."""
-
 
 def seconds(flag: str, value: float, *, zero: bool = False) -> float:
-    """``value``, when it is a duration ``flag`` may give: more than 0 (or 0, with ``zero``) and at most
-    :data:`MAX_SECONDS`; else UsageError (nan and infinities included)."""
-    if not ((0 <= value) if zero else (0 < value)) or not value <= MAX_SECONDS:
+    """``value``, when it is a duration ``flag`` may give (:func:`~ftrun.protocol.is_duration`: more than 0, or
+    0 with ``zero``, and at most :data:`~ftrun.protocol.MAX_SECONDS`); else UsageError."""
+    if not is_duration(value, zero=zero):
         least = "0 or more" if zero else "a positive number of"
         raise UsageError(f"{flag} must be {least} seconds, at most {MAX_SECONDS:,.0f}, not {value:g}")
     return value

@@ -127,20 +127,39 @@ def encode(kind: str, **fields: Any) -> bytes:
 Check = Callable[[Any], bool]
 
 
+MAX_INT = 2**63 - 1
+"""The largest integer a message may carry: what a process hands on as a C int64 (a step, a uid, a tensor of
+them). JSON reads integers of thousands of digits, which overflow a float or a tensor where they are used."""
+MAX_SECONDS = 1_000_000.0
+"""The longest duration a flag or a message may give, about 11.6 days. Every wait made on one (a select, a
+sleep, a deadline twice as far) must fit in what the system's waits take: epoll's timeout is at most 2**31 - 1
+ms, about 24.8 days, and a longer one raises OverflowError instead of waiting."""
+
+
 def _int(value: Any) -> bool:
-    return type(value) is int
+    return type(value) is int and -MAX_INT <= value <= MAX_INT
 
 
 def _optional_int(value: Any) -> bool:
-    return value is None or type(value) is int
+    return value is None or _int(value)
 
 
 def _number(value: Any) -> bool:
-    return type(value) in (int, float) and math.isfinite(value)
+    return _int(value) or type(value) is float and math.isfinite(value)
 
 
-def _optional_number(value: Any) -> bool:
-    return value is None or _number(value)
+def is_duration(value: Any, *, zero: bool = False) -> bool:
+    """Whether ``value`` is a number of seconds ftrun waits or sleeps: more than 0 (or 0, with ``zero``) and at
+    most :data:`MAX_SECONDS` (never nan, an infinity or a bool)."""
+    return _number(value) and (0 <= value if zero else 0 < value) and value <= MAX_SECONDS
+
+
+def _pause(value: Any) -> bool:
+    return is_duration(value, zero=True)
+
+
+def _optional_duration(value: Any) -> bool:
+    return value is None or is_duration(value)
 
 
 def _text(value: Any) -> bool:
@@ -152,12 +171,16 @@ def _flag(value: Any) -> bool:
 
 
 def _uids(value: Any) -> bool:
-    return isinstance(value, list) and all(type(v) is int for v in value) and len(set(value)) == len(value)
+    return isinstance(value, list) and all(_int(v) for v in value) and len(set(value)) == len(value)
+
+
+def _digits(value: Any, most: int) -> bool:
+    """Whether ``value`` is a decimal number of at most ``most`` ASCII digits (int() refuses more than 4,300)."""
+    return isinstance(value, str) and value.isdigit() and value.isascii() and len(value) <= most
 
 
 def _unreachable(value: Any) -> bool:
-    return value is None or isinstance(value, dict) and all(
-        isinstance(k, str) and k.isdigit() and k.isascii() and _uids(v) for k, v in value.items())
+    return value is None or isinstance(value, dict) and all(_digits(k, 18) and _uids(v) for k, v in value.items())
 
 
 def _timings(value: Any) -> bool:
@@ -170,7 +193,7 @@ def is_address(value: Any) -> bool:
     if not isinstance(value, str):
         return False
     host, _, port = value.rpartition(":")
-    return bool(host) and port.isdigit() and port.isascii() and 0 < int(port) < 65536
+    return bool(host) and _digits(port, 5) and 0 < int(port) < 65536
 
 
 def _address(value: Any) -> bool:
@@ -220,7 +243,7 @@ TO_WORKER: dict[str, dict[str, Check]] = {
     PLAN: {"gen": _int, "members": _uids, "reason": _text, "lost": _uids, "joiners": _uids, "store": _address},
     SAVE: {},
     RAISE: {"message": _text},
-    SLOW: {"seconds": _number, "duration": _optional_number},
+    SLOW: {"seconds": _pause, "duration": _optional_duration},
 }
 """Every message an agent sends a worker (directly, or relayed by the worker's own agent)."""
 

@@ -8,7 +8,7 @@ import selectors
 import pytest
 
 from conftest import EXAMPLE
-from ftrun import flag_values
+from ftrun import flag_values, protocol
 from ftrun.errors import UsageError
 
 HUGE = "9" * 4300  # past the 4,300 digits Python's int() takes: parsing it must not raise
@@ -132,6 +132,7 @@ def test_a_spare_needs_a_gpu_of_its_own_where_each_worker_has_one(nproc, spares,
     (["slow", "nan", "--rank", "0"], f"slow SECONDS {NOT_NEGATIVE} nan"),
     (["slow", "1e20", "--rank", "0"], f"slow SECONDS {NOT_NEGATIVE} 1e+20"),
     (["slow", "1", "--rank", "0", "--for", "nan"], f"--for {POSITIVE} nan"),
+    (["kill", "--rank", "0", "--endpoint", "127.0.0.1:" + HUGE + "9"], "expected HOST:PORT with a port from 1"),
 ])
 def test_bad_inject_input_is_one_line_and_exit_2(run_ftrun, private_registry, args, message):
     result = run_ftrun("inject", *args, env=private_registry)
@@ -159,12 +160,12 @@ def test_the_longest_duration_a_flag_takes_is_one_every_wait_can_make_twice_over
         os.write(write, b"x")  # readable: the select answers at once if its timeout is one it takes
         with selectors.DefaultSelector() as selector:
             selector.register(read, selectors.EVENT_READ)
-            assert len(selector.select(2 * flag_values.MAX_SECONDS)) == 1
+            assert len(selector.select(2 * protocol.MAX_SECONDS)) == 1
     finally:
         os.close(read)
         os.close(write)
-    assert flag_values.seconds("--hang-timeout", flag_values.MAX_SECONDS) == flag_values.MAX_SECONDS
+    assert flag_values.seconds("--hang-timeout", protocol.MAX_SECONDS) == protocol.MAX_SECONDS
     assert flag_values.seconds("--shutdown-timeout", 0.0, zero=True) == 0.0
-    for value, zero in ((flag_values.MAX_SECONDS * 1.000001, False), (0.0, False), (-0.001, True)):
+    for value, zero in ((protocol.MAX_SECONDS * 1.000001, False), (0.0, False), (-0.001, True)):
         with pytest.raises(UsageError):
             flag_values.seconds("--flag", value, zero=zero)

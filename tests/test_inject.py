@@ -9,6 +9,7 @@ awaited through the job's output and its event log, one after another.
 from __future__ import annotations
 
 import http.server
+import math
 import queue
 import re
 import socket
@@ -23,8 +24,9 @@ import pytest
 
 from ftrun import cli
 from ftrun import protocol
-from ftrun.inject import GONE, ChaosSchedule, EventFollower, await_settled, drill_message
+from ftrun.inject import GONE, ChaosSchedule, EventFollower, Job, await_settled, drill_message, job_store
 from ftrun.errors import UsageError
+from ftrun.store import keys
 from ftrun.worker.injected import InjectedFault, WorkerDrills
 from runs import COMMIT, HELD_STEPS, HELD_TRAINING, RTOL
 
@@ -223,8 +225,18 @@ def test_xid_and_ecc_drills_go_through_the_gpu_health_policy(held_job, held_base
             "inject", "xid" if args[0] == "xid" else "ecc_uncorrected", int(args[1]) if len(args) > 1 else 1, action)
         if world is not None:
             check_in_place(job.await_event(event="recovery", lost_uids=[injected["uid"]]), rank, world)
+    # a sealed command that `ftrun inject` would refuse (another version's, or a hand-made one): the agent answers
+    # it did not act, and no worker is asked to sleep for ever (time.sleep(inf) raises OverflowError)
+    store = Job.connect(job_store(job.run_id, None, None)).store
+    for seconds, duration, refused in ((math.inf, None, "slow needs 0 to 1,000,000 SECONDS, not inf"),
+                                       (1e300, None, "slow needs 0 to 1,000,000 SECONDS, not 1e+300"),
+                                       (1, math.nan, "--for needs more than 0 and at most 1,000,000 SECONDS, not nan")):
+        answer = store.request(keys.node_box(0), {"cmd": protocol.INJECT, "kind": "slow", "rank": 0,
+                                                  "seconds": seconds, "duration": duration})
+        assert answer == {"ok": False, "run": job.run_id, "error": refused}
     assert job.finish() == 0, "".join(job.stderr)[-3000:]
     assert len(job.of("recovery")) == 2 and {e["gpu"] for e in job.of("gpu_health")} == {3, 2, 0}
+    assert not [e for e in job.of("inject") if e["kind"] == "slow"]
     job.check_losses(held_baseline)
 
 

@@ -59,6 +59,11 @@ def test_every_message_ftrun_posts_is_accepted(message):
     ({"t": protocol.WORKER_EXITED, "uid": 1, "code": 1, "failure": {**FAILURE, "extra": 1}}, "no valid 'failure'"),
     ({"t": protocol.WORKER_EXITED, "uid": 1, "code": 1, "failure": {**FAILURE, "when": float("nan")}}, "failure"),
     ({"t": protocol.NODE_GONE, "node": 1, "reason": "", "since": float("inf")}, "field 'since'"),
+    ({"t": protocol.NODE_GONE, "node": 1, "reason": "", "since": 10**400}, "field 'since'"),  # no float holds it
+    ({"t": protocol.NODE_GONE, "node": 2**63, "reason": "", "since": 0}, "field 'node'"),  # nor an int64
+    ({"t": protocol.RELAY, "uid": 1, "data": json.dumps({"t": protocol.SLOW, "seconds": 1e300, "duration": None})},
+     "field 'data'"),  # a sleep that long raises OverflowError
+    ({"t": protocol.RELAY, "uid": 1, "data": '{"t": "slow", "seconds": 1, "duration": NaN}'}, "field 'data'"),
     ({"t": protocol.WORKER_MESSAGE, "uid": 1, "msg": {"t": protocol.PROGRESS, "gen": 0}}, "field 'msg'"),
     ({"t": protocol.RELAY, "uid": 1, "data": "not json"}, "field 'data'"),
     ({"t": protocol.RELAY, "uid": 1, "data": json.dumps({"t": protocol.PLAN, "gen": 1})}, "field 'data'"),
@@ -94,6 +99,9 @@ def test_a_malformed_message_is_named_not_raised(message, why):
     ({"t": protocol.COLLECTIVE_FAILED, "gen": 1, "step": 4, "phase": "step", "error": "x", "unreachable": None}, None),
     ({"t": protocol.COLLECTIVE_FAILED, "gen": 1, "step": 4, "phase": "probe", "error": "x",
       "unreachable": {"zero": [1]}}, "field 'unreachable'"),
+    ({"t": protocol.COLLECTIVE_FAILED, "gen": 1, "step": 4, "phase": "probe", "error": "x",
+      "unreachable": {"9" * 5000: [1]}}, "field 'unreachable'"),  # int() refuses more than 4,300 digits
+    ({"t": protocol.PROGRESS, "gen": 0, "step": 1, "time": 10**400, "step_time": 0.1}, "field 'time'"),
     ({"t": protocol.STOP, "reason": "x"}, "unknown kind 'stop'"),  # a mailbox kind is no worker's
 ])
 def test_worker_messages_are_checked_too(message, why):

@@ -104,10 +104,11 @@ class Drills:
     def _slow(self, worker: Worker, message: dict[str, Any]) -> tuple[str, bool]:
         self._uses_api(worker, "slow")
         seconds, duration = message.get("seconds"), message.get("duration")
-        if not isinstance(seconds, (int, float)) or seconds < 0:
-            raise DrillError(f"slow needs SECONDS >= 0, not {seconds!r}")
-        if duration is not None and (not isinstance(duration, (int, float)) or duration <= 0):
-            raise DrillError(f"--for needs SECONDS > 0, not {duration!r}")
+        if not protocol.is_duration(seconds, zero=True):
+            raise DrillError(f"slow needs 0 to {protocol.MAX_SECONDS:,.0f} SECONDS, not {str(seconds)[:40]}")
+        if duration is not None and not protocol.is_duration(duration):
+            raise DrillError(f"--for needs more than 0 and at most {protocol.MAX_SECONDS:,.0f} SECONDS, "
+                             f"not {str(duration)[:40]}")
         worker.send(protocol.encode(protocol.SLOW, seconds=seconds, duration=duration))
         if seconds == 0:
             return "steps no longer slowed", False

@@ -60,7 +60,8 @@ def open_client_retrying(host: str, port: int, call_timeout: float, total: float
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
     """``HOST:PORT`` as given to ``--endpoint``; UsageError when it is not one."""
     if not is_address(endpoint):
-        raise UsageError(f"--endpoint {endpoint!r}: expected HOST:PORT, e.g. node0:29500")
+        raise UsageError(f"--endpoint {endpoint[:80]!r}: expected HOST:PORT with a port from 1 to 65535, "
+                         "e.g. node0:29500")
     return split_address(endpoint)
 
 
