@@ -217,9 +217,13 @@ class JobStore:
         self.look_at_mail(discard, [])
 
     def request(self, box: str, message: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
-        """Post a command to ``box`` and wait for the reader's answer (UsageError when none comes)."""
+        """Post a command to ``box`` and wait for the reader's answer (UsageError when the store does not take
+        it, or no answer comes)."""
         token = uuid.uuid4().hex
-        self.post(box, {**message, "reply_to": token})
+        try:
+            self.post(box, {**message, "reply_to": token})
+        except RuntimeError as exc:  # a counter someone set to something else than a number: the store drops us
+            raise UsageError(f"the job's store did not take the command ({str(exc)[:200]})") from None
         key = keys.reply(token)
         try:
             self.kv.wait([key], timedelta(seconds=timeout))

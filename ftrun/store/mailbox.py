@@ -18,7 +18,9 @@ that is not a sealed message (or not a valid one) never moves the reader on by i
 :attr:`MailReader.dropped`, and the reader waits for the writer of that index to overwrite it. An index is
 given up only :data:`OVERWRITE_GRACE` seconds after its writers were seen past it (the counter passed it,
 or the agent's next message waits behind it): its writer failed between taking it and writing it, or
-someone overwrote its message. Indices seen passed together are given up together.
+someone overwrote its message. Indices seen passed together are given up together; of the commands, only
+the last :data:`COMMANDS_IN_FLIGHT` below the counter are looked at (anyone may set the counter far ahead,
+and a look per index would keep the reader and the store busy for ever).
 """
 
 from __future__ import annotations
@@ -53,6 +55,10 @@ KEPT_BROADCASTS = 64
 reader is past it by then; one still behind it was cut off for longer than its lease allows). The sender
 deletes them this many at a time, every this many broadcasts, in one request: each delete is an event on
 every reader's watch of the broadcasts (etcd), and one per broadcast cost every node a second event per plan."""
+COMMANDS_IN_FLIGHT = 64
+"""The most commands clients can have numbered and not yet written, or written and not yet read, at once
+(each posts one and waits for its answer): a grace that ends gives up at once every command index below the
+counter's last this many."""
 AFTER = "_after"
 """The field of a message to one box that says how many broadcasts its sender had sent before it."""
 
@@ -320,6 +326,8 @@ class MailReader:
             if not lane.shared:
                 self._discard.append(key)
             lane.advance()
+            if not lane.sender and not lane.shared:
+                lane.index = max(lane.index, lane.passed_upto - COMMANDS_IN_FLIGHT + 1)
             return True
         return False
 

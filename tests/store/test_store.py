@@ -323,6 +323,21 @@ def test_junk_in_a_mailbox_counter_stops_no_agent_message(served, reading):
     assert receive(1) == [{"t": "still here"}]
     with pytest.raises(RuntimeError):
         client.post("node3", {"cmd": "ping"})
+    with pytest.raises(UsageError, match="^the job's store did not take the command"):  # one line for inject
+        served().request("node3", {"cmd": "ping"})
+
+
+@pytest.mark.fast
+def test_a_mailbox_counter_set_far_ahead_gives_up_the_indices_below_it_at_once(served, reading):
+    """Anyone may set the counter: one set a billion ahead is given up in a bounded number of looks (one per
+    index kept the reader and the store busy for ever), and the next command is read."""
+    receive, reader = reading
+    store = served()
+    store.post("node3", {"t": "before"})
+    assert receive(1) == [{"t": "before"}]
+    store.kv.set(keys.mail_count("node3"), b"1000000000")
+    store.post("node3", {"t": "after"})  # index 1,000,000,001
+    assert receive(1) == [{"t": "after"}] and reader.dropped == 0
 
 
 @pytest.mark.fast
