@@ -38,6 +38,9 @@ MAGIC = 0x3C85F7CE
 """The number a client sends with VALIDATE (``validationMagicNumber`` in torch)."""
 KEY_PREFIX = "/"
 """What torch's TCPStore client puts before each key on the wire."""
+KEY_ERRORS = "surrogateescape"
+"""How a key's bytes that are not UTF-8 (anyone may set such a key) become its name and back: a key listed
+is one that can be deleted."""
 DEFAULT_TIMEOUT = 5.0
 """Seconds a call may take unless told otherwise."""
 RECV_SIZE = 1 << 16
@@ -268,7 +271,7 @@ class StoreClient:
         (StoreError here), and this one stays usable.
         """
         def read(deadline: float) -> list[str]:
-            raw = [asking._recv_blob(deadline).decode() for _ in range(asking._recv_i64(deadline))]
+            raw = [asking._recv_blob(deadline).decode(errors=KEY_ERRORS) for _ in range(asking._recv_i64(deadline))]
             return [key.removeprefix(KEY_PREFIX) for key in raw]
 
         with StoreClient(*self._address, self.timeout) as asking:
@@ -347,7 +350,7 @@ class StoreClient:
 
     @staticmethod
     def _key(key: str) -> bytes:
-        return _blob((KEY_PREFIX + key).encode())
+        return _blob((KEY_PREFIX + key).encode(errors=KEY_ERRORS))
 
     def _keys(self, keys: Sequence[str]) -> bytes:
         return _U64.pack(len(keys)) + b"".join(self._key(k) for k in keys)

@@ -18,6 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 
+from ftrun.protocol import is_address, split_address
+
 PROBE_TIMEOUT = 2.0
 """Seconds one connection attempt may take before the peer counts as unreachable."""
 
@@ -74,9 +76,12 @@ class Prober:
 
 
 def _connects(address: str, timeout: float) -> bool:
-    host, _, port = address.rpartition(":")
+    """Whether a connection to ``address`` (a peer's prober, as published in the store) opens; an address that
+    is not HOST:PORT reads as unreachable."""
+    if not is_address(address):
+        return False
     try:
-        socket.create_connection((host, int(port)), timeout=timeout).close()
+        socket.create_connection(split_address(address), timeout=timeout).close()
         return True
     except OSError:
         return False
@@ -89,7 +94,7 @@ def probe(store: object, prober: Prober, me: int, members: Sequence[int], addres
     store.set(address_key(me), prober.address)
     others = [uid for uid in members if uid != me]
     wait([address_key(uid) for uid in others])
-    peers = {uid: store.get(address_key(uid)).decode() for uid in others}
+    peers = {uid: store.get(address_key(uid)).decode(errors="replace") for uid in others}
     store.set(result_key(me), json.dumps(prober.unreachable(peers)))
     wait([result_key(uid) for uid in others])
     unreachable = {uid: _uids(store.get(result_key(uid))) for uid in members}
@@ -101,8 +106,8 @@ def _uids(raw: bytes) -> list[int]:
     """A member's published result: a JSON list of uids (anything else reads as every link failed)."""
     try:
         value = json.loads(raw)
-        if isinstance(value, list) and all(isinstance(uid, int) for uid in value):
+        if isinstance(value, list) and all(type(uid) is int for uid in value):
             return value
-    except ValueError:
+    except (ValueError, RecursionError):
         pass
     return [-1]

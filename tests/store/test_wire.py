@@ -58,6 +58,16 @@ def test_keys_are_listed_as_torch_lists_them_and_the_connection_stays_usable(ser
         assert ours.get("ftrun/run") == b"r"
 
 
+def test_a_key_that_is_not_utf8_is_listed_under_a_name_that_deletes_it(server):
+    """Anyone who reaches the store may set such a key; the agent lists every key to clear a dead attempt's."""
+    master, _ = server
+    name = b"worker/\xff\xfe".decode(errors="surrogateescape")
+    with StoreClient("127.0.0.1", master.port) as ours:
+        ours.set(name, b"v")
+        assert name in ours.list_keys()
+        assert ours.delete_key(name) and name not in ours.list_keys()
+
+
 def test_wait_returns_once_another_client_sets_the_key(server):
     master, torch_client = server
     with StoreClient("127.0.0.1", master.port) as ours:

@@ -60,6 +60,23 @@ def test_a_link_that_does_not_connect_stops_every_member_with_the_whole_matrix(f
     assert str(outcome[0]) == "links that do not connect: 0-2, 1-2"
 
 
+@pytest.mark.parametrize("address", [b"nohost", b"h:abc", b"h:-1", b"127.0.0.1:99999", b"\xff\xfe"])
+def test_a_peers_probe_address_or_result_that_is_not_one_is_a_link_that_fails(address):
+    """The probe keys are not sealed, and anyone who reaches the store may write them: what is there reads as
+    a peer this member cannot reach (and a result that is no list of uids as every link failed), never as an
+    exception that ends the worker in its recovery."""
+    from torch.distributed import TCPStore
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    store = open_client("127.0.0.1", server.port, 30)
+    store.set(keys.probe_address(0, 1, 1), address)
+    store.set(keys.probe_result(0, 1, 1), b"[" * 100_000)
+    with pytest.raises(links.LinkFailure) as failed:
+        links.probe(store, links.Prober(), 0, [0, 1], lambda u: keys.probe_address(0, 1, u),
+                    lambda u: keys.probe_result(0, 1, u), lambda waited: None)
+    assert failed.value.unreachable == {0: [1], 1: [-1]}
+
+
 def test_the_prober_listens_where_gloo_would(monkeypatch):
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     assert links.gloo_address() == "127.0.0.1"
