@@ -277,18 +277,14 @@ class Redundancy:
         if rank == 0:
             skeleton = self._skeleton(choice.step)
             payload = _encode({"layout": self.layout.to_list(), "skeleton": skeleton})
-            size = torch.tensor([payload.numel()], dtype=torch.int64)
-            exchange = transfer.p2p_on_backend(control)
-            exchange([(size, peer, True) for peer in range(1, world)])
-            exchange([(payload, peer, True) for peer in range(1, world)])
+            transfer.send_bytes(transfer.p2p_on_backend(control), payload, list(range(1, world)))
             return self.layout, skeleton
-        size = torch.zeros(1, dtype=torch.int64)
-        exchange = transfer.p2p_on_backend(control)
-        exchange([(size, 0, False)])
-        payload = torch.empty(int(size.item()), dtype=torch.uint8)
-        exchange([(payload, 0, False)])
-        loaded = torch.load(io.BytesIO(transfer.payload_bytes(payload)), weights_only=True)
-        return Layout.from_list(loaded["layout"]), loaded["skeleton"]
+        loaded = transfer.load_peer_bytes(transfer.receive_bytes(transfer.p2p_on_backend(control), 0))
+        items = loaded.get("layout") if isinstance(loaded, dict) and "skeleton" in loaded else None
+        if not isinstance(items, list) or not all(isinstance(item, (list, tuple)) and len(item) == 4
+                                                  and transfer.is_tensor_layout(*item[:3]) for item in items):
+            raise transfer.MalformedState("the layout of the sharded state from rank 0 is not one this worker reads")
+        return Layout.from_list(items), loaded["skeleton"]
 
     def _skeleton(self, step: int) -> Any:
         """The skeleton (every non-tensor value) of this rank's state at ``step``: live or a snapshot."""

@@ -12,7 +12,9 @@ one bucket beyond the state itself, and nothing is serialised whole.
 
 The manifest is read with ``torch.load(weights_only=True)``: a peer's bytes build tensors, containers and
 plain values, never run code. State that holds other types must allow them by name with
-``torch.serialization.add_safe_globals`` (README, "Protected state").
+``torch.serialization.add_safe_globals`` (README, "Protected state"). Bytes that do not load, or that do not
+describe tensors (a peer of another ftrun version), are :class:`MalformedState`: a failed transfer, reported as
+one, never an exception that ends the receiver.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ REF = "__ftrun_tensor__"  # marks a referenced tensor in the skeleton: (REF, ind
 
 Exchange = Callable[[list[tuple[torch.Tensor, int, bool]]], None]
 """Runs point-to-point operations ``(tensor, peer, is_send)`` on one plane together and waits for them."""
+
+
+class MalformedState(CollectiveFailed):
+    """What a peer sent is not state this worker can load (bytes that do not load, or do not describe tensors)."""
 
 
 @dataclass(frozen=True)
@@ -122,9 +128,49 @@ def manifest(state: Any) -> tuple[bytes, list[TensorSpec], list[torch.Tensor]]:
 
 
 def read_manifest(data: bytes) -> tuple[Any, list[TensorSpec]]:
-    """A peer's manifest, loaded without running code: the skeleton and the specs of the tensors to come."""
-    loaded = torch.load(io.BytesIO(data), weights_only=True)
-    return loaded["skeleton"], [TensorSpec(tuple(p), d, tuple(s), t) for p, d, s, t in loaded["specs"]]
+    """A peer's manifest, loaded without running code: the skeleton and the specs of the tensors to come;
+    MalformedState when it is not one."""
+    loaded = load_peer_bytes(data)
+    specs = loaded.get("specs") if isinstance(loaded, dict) and "skeleton" in loaded else None
+    if not isinstance(specs, list) or not all(isinstance(spec, (list, tuple)) and len(spec) == 4
+                                              and is_tensor_layout(*spec[:3]) and isinstance(spec[3], str)
+                                              for spec in specs):
+        raise MalformedState("the state's manifest from the source is not one this worker reads")
+    return loaded["skeleton"], [TensorSpec(tuple(p), d, tuple(s), t) for p, d, s, t in specs]
+
+
+def is_tensor_layout(path: Any, dtype: Any, shape: Any) -> bool:
+    """Whether a peer's ``(path, dtype, shape)`` describes a tensor: a sequence, a torch dtype, sizes >= 0."""
+    return isinstance(path, (list, tuple)) and isinstance(dtype, torch.dtype) and isinstance(shape, (list, tuple)) \
+        and all(type(size) is int and size >= 0 for size in shape)
+
+
+def load_peer_bytes(data: bytes) -> Any:
+    """What a peer saved with ``torch.save``, loaded without running code; MalformedState when it does not load."""
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as exc:  # a peer's bytes: whatever the unpickler raises on them
+        raise MalformedState(f"a peer's bytes do not load as state ({type(exc).__name__}: "
+                             f"{str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''})") from None
+
+
+def send_bytes(exchange: Exchange, data: torch.Tensor, peers: list[int]) -> None:
+    """Send ``data`` (uint8, on CPU) to each of ``peers``, its length first (:func:`receive_bytes`)."""
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    exchange([(size, peer, True) for peer in peers])
+    exchange([(data, peer, True) for peer in peers])
+
+
+def receive_bytes(exchange: Exchange, source: int) -> bytes:
+    """What ``source`` sent with :func:`send_bytes`; MalformedState for a length no buffer can take."""
+    size = torch.zeros(1, dtype=torch.int64)
+    exchange([(size, source, False)])
+    try:
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    except RuntimeError:  # negative, or more than this host can allocate
+        raise MalformedState(f"the source announced {int(size.item())} bytes of state") from None
+    exchange([(payload, source, False)])
+    return payload_bytes(payload)
 
 
 def buckets(specs: list[TensorSpec], bucket_bytes: int) -> list[list[int]]:
@@ -154,14 +200,26 @@ def targets(specs: list[TensorSpec], own: Any, devices: dict[str, torch.device])
         tensor = mine.get(spec.path)
         if (tensor is None or tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape
                 or tensor.device.type != spec.device_type or not tensor.is_contiguous()):
-            tensor = torch.empty(spec.shape, dtype=spec.dtype, device=devices.get(spec.device_type, "cpu"))
+            try:
+                tensor = torch.empty(spec.shape, dtype=spec.dtype, device=devices.get(spec.device_type, "cpu"))
+            except RuntimeError:  # more than this rank can hold
+                raise MalformedState(f"the source's tensor at {spec.path} ({spec.nbytes} bytes) cannot be "
+                                     "allocated here") from None
         result.append(tensor)
     return result
 
 
 def fill(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
-    """The skeleton with each reference replaced by its received tensor."""
-    return replace_leaves(skeleton, lambda _, leaf: tensors[leaf[1]] if _is_ref(leaf) else leaf)
+    """The skeleton with each reference replaced by its received tensor (MalformedState for one to none)."""
+
+    def swap(_path: tuple, leaf: Any) -> Any:
+        if not _is_ref(leaf):
+            return leaf
+        if type(leaf[1]) is not int or not 0 <= leaf[1] < len(tensors):
+            raise MalformedState(f"the source's state refers to tensor {str(leaf[1])[:20]} of {len(tensors)}")
+        return tensors[leaf[1]]
+
+    return replace_leaves(skeleton, swap)
 
 
 def payload_bytes(payload: torch.Tensor) -> bytes:
@@ -190,9 +248,7 @@ class _Staging:
 def send(state: Any, behind: list[int], route: Route, bucket_bytes: int = BUCKET_BYTES) -> None:
     """Send ``state`` from this rank to each rank of ``behind``."""
     data, specs, tensors = manifest(state)
-    size = torch.tensor([len(data)], dtype=torch.int64)
-    route.control([(size, peer, True) for peer in behind])
-    route.control([(torch.frombuffer(bytearray(data), dtype=torch.uint8), peer, True) for peer in behind])
+    send_bytes(route.control, torch.frombuffer(bytearray(data), dtype=torch.uint8), behind)
     staging = _Staging(bucket_bytes)
     for group in buckets(specs, bucket_bytes):
         first = tensors[group[0]]
@@ -210,11 +266,7 @@ def send(state: Any, behind: list[int], route: Route, bucket_bytes: int = BUCKET
 
 def receive(source: int, own: Any, route: Route, bucket_bytes: int = BUCKET_BYTES) -> Any:
     """The source's state, each large tensor received into ``own``'s at its place where it matches."""
-    size = torch.zeros(1, dtype=torch.int64)
-    route.control([(size, source, False)])
-    payload = torch.empty(int(size.item()), dtype=torch.uint8)
-    route.control([(payload, source, False)])
-    skeleton, specs = read_manifest(payload_bytes(payload))
+    skeleton, specs = read_manifest(receive_bytes(route.control, source))
     into = targets(specs, own, route.devices)
     staging = _Staging(bucket_bytes)
     for group in buckets(specs, bucket_bytes):

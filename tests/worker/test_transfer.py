@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import threading
@@ -12,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ftrun.worker import backends, transfer
+from ftrun.worker.steps import CollectiveFailed
 from ftrun.worker.state import best_rescue, load_into, save_rescue, snapshot
 
 pytestmark = pytest.mark.fast
@@ -63,8 +65,43 @@ def test_a_manifest_that_would_run_code_is_refused():
             return (os.system, ("echo owned",))
 
     data = pickle.dumps({"skeleton": Payload(), "specs": []}, protocol=2)
-    with pytest.raises(pickle.UnpicklingError):
+    with pytest.raises(transfer.MalformedState, match="do not load as state .UnpicklingError: Weights only load"):
         transfer.read_manifest(data)
+
+
+def saved(value) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("data", [
+    b"", b"\x80\x02garbage", saved([1, 2]), saved({"skeleton": {}}), saved({"skeleton": {}, "specs": [("w",)]}),
+    saved({"skeleton": {}, "specs": [(("w",), "float32", (2,), "cpu")]}),  # a dtype's name, not a dtype
+    saved({"skeleton": {}, "specs": [(("w",), torch.float32, (-1,), "cpu")]}),
+    saved({"skeleton": {}, "specs": [(("w",), torch.float32, (2.0,), "cpu")]}),
+])
+def test_a_manifest_that_is_not_one_is_a_failed_transfer_not_an_exception_past_the_recovery(data):
+    """A peer of another version, or bytes that are not ftrun's: MalformedState, which the recovery reports as
+    a failed transfer (a CollectiveFailed) and retries within its deadline."""
+    with pytest.raises(transfer.MalformedState) as refused:
+        transfer.read_manifest(data)
+    assert isinstance(refused.value, CollectiveFailed) and "\n" not in str(refused.value)
+
+
+def test_a_reference_to_no_tensor_or_a_size_no_buffer_takes_is_a_failed_transfer():
+    with pytest.raises(transfer.MalformedState, match="refers to tensor 3 of 1"):
+        transfer.fill({"w": (transfer.REF, 3)}, [torch.zeros(1)])
+    huge = transfer.TensorSpec(("w",), torch.float32, (2**62,), "cpu")
+    with pytest.raises(transfer.MalformedState, match="cannot be allocated here"):
+        transfer.targets([huge], {}, {"cpu": torch.device("cpu")})
+
+    def announce(size: int):  # the source's side of the first exchange: how many bytes follow
+        return lambda ops: ops[0][0].fill_(size)
+
+    for size in (-1, 2**62):
+        with pytest.raises(transfer.MalformedState, match=f"the source announced {size} bytes"):
+            transfer.receive_bytes(announce(size), 0)
 
 
 def test_buckets_group_consecutive_tensors_of_one_device_up_to_the_bound():
