@@ -267,7 +267,7 @@ def build_config(
     if not 1 <= recovery.min_nproc <= world:
         raise UsageError(f"--min-nproc {recovery.min_nproc} must be between 1 and the number of workers ({world})")
     try:
-        xid_table = load_table(recovery.xid_policy) if recovery.xid_policy else dict(DEFAULT_TABLE)
+        xid_table = load_table(recovery.xid_policy) if recovery.xid_policy is not None else dict(DEFAULT_TABLE)
     except UsageError as exc:
         raise UsageError(f"--xid-policy: {exc}") from None
     resume_dir = flag_values.resume_dir(resume_from) if resume_from else None

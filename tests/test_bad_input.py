@@ -27,6 +27,20 @@ def policy(name: str, content: bytes):
     return write
 
 
+def fifo(name: str):
+    """A FIFO in the test's directory that nobody writes: opening it to read would wait for ever."""
+
+    def make(folder) -> str:
+        path = folder / name
+        os.mkfifo(path)
+        return str(path)
+
+    return make
+
+
+ETCD = ["--rdzv-backend", "etcd-v2", "--rdzv-endpoint", "127.0.0.1:1"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--master-port", "70000"], "--master-port 70000: a port is between 1 and 65535"),
     (["--master-port", "-1"], "--master-port -1: a port is between 1 and 65535"),
@@ -35,6 +49,18 @@ def policy(name: str, content: bytes):
     (["-H", f"localhost:{HUGE}"], "-H entry 1: bad slot count '99999999999999999999': use a whole number from 1"),
     (["-H", ""], "-H entry 1: empty entry"),
     (["--hostfile", ""], "cannot read hostfile : "),
+    (["--hostfile", fifo("hosts")], ": not a regular file: check the path"),  # not waited on
+    (["--hostfile", "/dev/zero"], "cannot read hostfile /dev/zero: not a regular file"),  # not read without end
+    (["--hostfile", policy("long", b"a" * 300)], "'aaaa" + "a" * 56 + "'... is not a host name: use at most 253"),
+    (["--xid-policy", fifo("policy.json")], ": not a regular file"),
+    (["--xid-policy", "/dev/zero"], "cannot read health policy file /dev/zero: not a regular file"),
+    (["--xid-policy", ""], "cannot read health policy file .: not a regular file"),
+    (["--rdzv-backend", "etcd-v2", "--rdzv-endpoint", "h:" + HUGE], "expected etcd endpoints HOST:PORT"),
+    ([*ETCD, "--rdzv-conf", "user=u,password_file=/dev/zero"], "password_file=/dev/zero: not a readable file (not a"),
+    ([*ETCD, "--rdzv-conf", lambda folder: "user=u,password_file=" + policy("pw", b"\xff\xfe")(folder)],
+     "not a readable file (not UTF-8 text)"),
+    ([*ETCD, "--rdzv-conf", lambda folder: "protocol=https,cacert=" + fifo("ca.pem")(folder)],
+     "not a readable file (not a regular file)"),
     (["--nproc-per-node", "100000"], "--nproc-per-node 100000: give between 1 and 1024 workers per node"),
     (["--nproc-per-node", HUGE], "--nproc-per-node '99999999999999999999' is not valid"),
     (["--spares", "2000"], "--spares 2000: give 0 or more, and at most 1024"),
@@ -59,6 +85,9 @@ def policy(name: str, content: bytes):
     (["--shutdown-timeout", "1e7"], f"--shutdown-timeout {NOT_NEGATIVE} 1e+07"),
     (["y" * 256], f"script {'y' * 256!r} not found"),  # a name too long to look up: not there, as a missing one
     (["--rdzv-conf", "bind=somewhere"], "--rdzv-conf bind=somewhere: give an IP address of this machine"),
+    (["--rdzv-conf", "bind=224.0.0.1"], "--rdzv-conf bind=224.0.0.1: give an IP address of this machine"),
+    (["--rdzv-conf", "bind=255.255.255.255"], "bind=255.255.255.255: give an IP address of this machine"),
+    (["--rdzv-conf", "x" * 5000], "--rdzv-conf 'xxxxxxxx"),
     (["--rdzv-conf", "=1"], "--rdzv-conf '=1' is not valid"),
     (["--rdzv-conf", "join_timeout=soon"], "--rdzv-conf join_timeout=soon: give the seconds the nodes have to arrive"),
     (["--rdzv-conf", "join_timeout=-5"], "--rdzv-conf join_timeout must be a positive number of seconds"),

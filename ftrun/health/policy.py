@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ftrun.errors import UsageError
+from ftrun.paths import Unreadable, read_small_file
 from ftrun.health.signals import Action, Decision, HealthSignal
 
 if sys.version_info >= (3, 11):
@@ -111,6 +112,9 @@ RECOVERY_ACTIONS: dict[int, tuple[Action, str]] = {
     7: (Action.EVICT_NODE, "system reboot required"),
 }
 
+POLICY_FILE_LIMIT = 1 << 20
+"""Bytes an Xid policy file may hold (a table of a few hundred codes is a few kilobytes)."""
+
 
 def decide(signal: HealthSignal, table: XidTable = DEFAULT_TABLE) -> Decision:
     """The action ``signal`` calls for, with a one-line reason; ``table`` maps Xid codes."""
@@ -164,15 +168,15 @@ def load_table(path: str | Path, base: XidTable = DEFAULT_TABLE) -> dict[int, tu
     """
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise UsageError(f"cannot read health policy file {path}: {exc.strerror or exc}") from None
+        text = read_small_file(path, POLICY_FILE_LIMIT)[0].decode("utf-8")
+    except Unreadable as exc:
+        raise UsageError(f"cannot read health policy file {path}: {exc}") from None
     except UnicodeDecodeError:
         raise UsageError(f"health policy file {path} is not UTF-8 text: save it as UTF-8") from None
     data = _parse(path, text)
     if not isinstance(data, dict) or set(data) - {"xid"}:
         extra = sorted(set(data) - {"xid"}) if isinstance(data, dict) else None
-        what = f"unknown keys {extra}" if extra else "not a table"
+        what = f"unknown keys {str(extra)[:100]}" if extra else "not a table"
         raise UsageError(f"health policy file {path}: {what}; expected only an 'xid' table of code = action")
     overrides = data.get("xid", {})
     if not isinstance(overrides, dict):

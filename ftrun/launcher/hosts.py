@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import psutil
 
 from ftrun.errors import UsageError
+from ftrun.paths import Unreadable, read_small_file
 
 _HOSTNAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 _BRACKETED = re.compile(r"\[([^\]]*)\](?::(.*))?")
@@ -40,8 +41,19 @@ class Host:
     slots: int | None = None
 
 
+MAX_HOST_NAME = 253
+"""The longest host name DNS allows (RFC 1035); a longer one would only fail later, at ssh or its lookup."""
+HOSTFILE_LIMIT = 16 << 20
+"""Bytes a hostfile may hold: hundreds of thousands of lines."""
+
+
 class _Refused(Exception):
     """A bad entry; the caller adds where it was (``hosts:3``, ``-H entry 2``)."""
+
+
+def _shown(text: str) -> str:
+    """``text`` as an error line quotes it: its start only, where it is long."""
+    return repr(text[:60]) + ("..." if len(text) > 60 else "")
 
 
 def _count(text: str, what: str) -> int:
@@ -59,17 +71,17 @@ def _host_token(token: str) -> Host:
         try:
             name = str(ipaddress.IPv6Address(address))
         except ValueError:
-            raise _Refused(f"{address!r} is not an IPv6 address: write it like [fe80::1] or [fe80::1]:4") from None
+            raise _Refused(f"{_shown(address)} is not an IPv6 address: write it like [fe80::1] or [fe80::1]:4") from None
     elif token.startswith("["):
-        raise _Refused(f"{token!r} is not a bracketed IPv6 address: write it like [fe80::1] or [fe80::1]:4")
+        raise _Refused(f"{_shown(token)} is not a bracketed IPv6 address: write it like [fe80::1] or [fe80::1]:4")
     elif token.count(":") > 1:
-        raise _Refused(f"IPv6 address {token!r} must be in brackets: write [fe80::1] or [fe80::1]:4")
+        raise _Refused(f"IPv6 address {_shown(token)} must be in brackets: write [fe80::1] or [fe80::1]:4")
     else:
         name, colon, slots = token.partition(":")
         slots = slots if colon else None
-        if not _HOSTNAME.fullmatch(name):
-            fix = "use letters, digits, '_', '.' and '-', not starting with '.' or '-'"
-            raise _Refused(f"{name!r} is not a host name: {fix}")
+        if not _HOSTNAME.fullmatch(name) or len(name) > MAX_HOST_NAME:
+            fix = f"use at most {MAX_HOST_NAME} letters, digits, '_', '.' and '-', not starting with '.' or '-'"
+            raise _Refused(f"{_shown(name)} is not a host name: {fix}")
     return Host(name, None if slots is None else _count(slots, "slot count"))
 
 
@@ -81,9 +93,9 @@ def _parse_line(line: str) -> Host:
     for pair in pairs:
         key, equals, value = pair.partition("=")
         if not equals or key not in _SLOT_KEYS:
-            raise _Refused(f"unexpected {pair!r} after the host name: only slots=N and max_slots=N are understood")
+            raise _Refused(f"unexpected {_shown(pair)} after the host name: only slots=N and max_slots=N are understood")
         if _SLOT_KEYS[key] in found:
-            raise _Refused(f"{_SLOT_KEYS[key]} given twice in {line!r}: give it once")
+            raise _Refused(f"{_SLOT_KEYS[key]} given twice in {_shown(line)}: give it once")
         found[_SLOT_KEYS[key]] = _count(value, f"{key} value")
     slots, max_slots = found.get("slots"), found.get("max_slots")
     if slots is not None and max_slots is not None and slots > max_slots:
@@ -141,10 +153,9 @@ def parse_host_list(spec: str) -> list[Host]:
 def read_hostfile(path: str | os.PathLike[str]) -> list[Host]:
     """Read and parse the hostfile at ``path``; a missing or unreadable file is a one-line UsageError."""
     try:
-        with open(path, encoding="utf-8") as file:
-            text = file.read()
-    except (OSError, UnicodeDecodeError) as error:
-        reason = "not UTF-8 text" if isinstance(error, UnicodeDecodeError) else error.strerror or str(error)
+        text = read_small_file(path, HOSTFILE_LIMIT)[0].decode("utf-8")
+    except (Unreadable, UnicodeDecodeError) as error:
+        reason = "not UTF-8 text" if isinstance(error, UnicodeDecodeError) else str(error)
         raise UsageError(f"cannot read hostfile {os.fspath(path)}: {reason}: check the path and permissions") from None
     return parse_hostfile(text, source=os.fspath(path))
 

@@ -17,11 +17,14 @@ import secrets
 import stat
 
 from ftrun.errors import UsageError
+from ftrun.paths import Unreadable, read_small_file
 
 SECRET_FILE_VARIABLE = "FTRUN_SECRET_FILE"
 """Names the file holding a job's secret where no launcher hands one out (nodes started by a scheduler)."""
 MIN_SECRET_LENGTH = 32
 """Characters a secret must have at least (``openssl rand -hex 16`` writes 32: 128 bits)."""
+SECRET_FILE_LIMIT = 4096
+"""Bytes a secret file may hold (a secret is a line of tens of characters)."""
 MAC_LENGTH = 64
 """Hex digits of the HMAC-SHA256 in front of every sealed value."""
 
@@ -40,20 +43,13 @@ def read_secret_file(path: str, what: str) -> str:
     regular file (a directory; a FIFO, which is not waited on), cannot be read, is readable by other users, or
     is too short to be a secret."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as exc:
-        raise UsageError(f"{what} {path}: cannot read it ({exc.strerror})") from None
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise UsageError(f"{what} {path}: not a regular file; give the file that holds the run's secret")
-        if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise UsageError(f"{what} {path}: other users may read it (mode {stat.S_IMODE(mode):o}): chmod 600 it")
-        data = os.read(fd, 4096)
-    except OSError as exc:
-        raise UsageError(f"{what} {path}: cannot read it ({exc.strerror})") from None
-    finally:
-        os.close(fd)
+        data, mode = read_small_file(path, SECRET_FILE_LIMIT, follow=False)
+    except Unreadable as exc:
+        if str(exc) == "not a regular file":
+            raise UsageError(f"{what} {path}: not a regular file; give the file that holds the run's secret") from None
+        raise UsageError(f"{what} {path}: cannot read it ({exc})") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise UsageError(f"{what} {path}: other users may read it (mode {stat.S_IMODE(mode):o}): chmod 600 it")
     try:
         secret = data.decode("ascii").strip()
     except UnicodeDecodeError:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from ftrun.store.etcd_config import EtcdOptions, EtcdRefused, EtcdUnavailable, EtcdUnreachable
+from ftrun.paths import Unreadable, read_small_file
+from ftrun.store.etcd_config import CONF_FILE_LIMIT, EtcdOptions, EtcdRefused, EtcdUnavailable, EtcdUnreachable
 from ftrun.store.etcd_http import Member, Tls
 
 
@@ -85,10 +86,9 @@ class EtcdCluster:
         password = ""
         if self.options.password_file:
             try:
-                with open(self.options.password_file, encoding="utf-8") as handle:
-                    password = handle.read().strip()
-            except OSError as exc:
-                raise EtcdUnavailable(f"etcd: cannot read the password file: {exc.strerror}") from None
+                password = read_small_file(self.options.password_file, CONF_FILE_LIMIT)[0].decode("utf-8").strip()
+            except (Unreadable, UnicodeDecodeError) as exc:
+                raise EtcdUnavailable(f"etcd: cannot read the password file: {exc}") from None
         try:
             answer = member.post("auth/authenticate", {"name": self.options.user, "password": password})
         except (OSError, ValueError, EtcdRefused):

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import os
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ftrun.errors import UsageError
+from ftrun.paths import Unreadable, read_small_file
 
 DEFAULT_PORT = 2379
 """etcd's client port, when an endpoint names none."""
@@ -78,7 +78,7 @@ def parse_endpoints(text: str) -> tuple[tuple[str, int], ...]:
         if not sep or host.endswith(":") or (host.count(":") and not host.startswith("[")):
             host, port = item, str(DEFAULT_PORT)
         host = host.strip("[]")
-        if not host or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
+        if not host or not port.isascii() or not port.isdigit() or len(port) > 5 or not 0 < int(port) < 65536:
             raise UsageError(f"--rdzv-endpoint {text[:80]!r}: expected etcd endpoints HOST:PORT[,HOST:PORT...], "
                              "e.g. h1:2379,h2:2379,h3:2379")
         endpoints.append((host, int(port)))
@@ -89,6 +89,10 @@ BACKENDS = ("etcd", "etcd-v2")
 """``--rdzv-backend`` values that select this backend (torchrun's two spellings)."""
 CONF_KEYS = ("protocol", "cacert", "cert", "key", "user", "password_file")
 """The ``--rdzv-conf`` keys it reads: torchrun's etcd keys, and a user name with a file holding its password."""
+
+
+CONF_FILE_LIMIT = 1 << 20
+"""Bytes a certificate, key or password file may hold (a chain of certificates is a few kilobytes)."""
 
 
 SCHEME = "etcd://"
@@ -118,8 +122,14 @@ def etcd_options(endpoints: str, run_id: str, conf: dict[str, str]) -> EtcdOptio
         raise UsageError(f"--rdzv-conf protocol={protocol[:20]!r}: use http or https")
     files = {name: conf.get(name) for name in ("cacert", "cert", "key", "password_file")}
     for name, path in files.items():
-        if path is not None and not os.access(path, os.R_OK):
-            raise UsageError(f"--rdzv-conf {name}={path[:200]}: not a readable file")
+        if path is not None:
+            try:  # read once here: a FIFO or a device there would hang or flood the TLS setup or the login later
+                data = read_small_file(path, CONF_FILE_LIMIT)[0]
+                if name == "password_file":
+                    data.decode("utf-8")
+            except (Unreadable, UnicodeDecodeError) as exc:
+                why = "not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else exc
+                raise UsageError(f"--rdzv-conf {name}={path[:200]}: not a readable file ({why})") from None
     if bool(files["cert"]) != bool(files["key"]):
         raise UsageError("--rdzv-conf: a client certificate needs both cert= and key=")
     if files["password_file"] and not conf.get("user"):

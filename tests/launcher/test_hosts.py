@@ -259,7 +259,7 @@ def test_read_hostfile_missing_file_is_one_line_usage_error(tmp_path):
 
 
 def test_read_hostfile_directory_is_usage_error(tmp_path):
-    with pytest.raises(UsageError, match=rf"^cannot read hostfile {re.escape(str(tmp_path))}: Is a directory"):
+    with pytest.raises(UsageError, match=rf"^cannot read hostfile {re.escape(str(tmp_path))}: not a regular file"):
         read_hostfile(tmp_path)
 
 
