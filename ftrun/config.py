@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import signal
 import socket
@@ -241,6 +242,8 @@ def build_config(
     # this process hosts the store: it listens (with etcd and --hostfile, node 0's agent does, on its host)
     serves_store = (hosts is not None and etcd is None) or (hosts is None and node_rank == 0)
     store_listen = bind or (listen_address(store.host, multinode) if serves_store else "")
+    if bind and serves_store and not multinode and not ipaddress.ip_address(bind).is_unspecified:
+        store, addr = Endpoint(bind, store.port), bind  # it listens there alone: the workers reach it there
     ranks_filter = flag_values.parse_ranks_filter(local_ranks_filter)
     log_path = flag_values.writable_log_dir(log_dir) if log_dir else None
     tee_masks = flag_values.parse_std_spec(tee, "--tee", max(node_sizes, default=nproc))

@@ -222,15 +222,18 @@ def parse_rdzv_conf(text: str) -> dict[str, str]:
     for item in filter(None, text.split(",")):
         key, equals, value = item.partition("=")
         if not equals or not key.strip():
-            raise UsageError(f"--rdzv-conf {text!r} is not valid: use KEY=VALUE pairs separated by commas")
+            raise UsageError(f"--rdzv-conf {text[:80]!r} is not valid: use KEY=VALUE pairs separated by commas")
         conf[key.strip()] = value.strip()
     bind = conf.get("bind")
     if bind is not None:
         try:
-            conf["bind"] = str(ipaddress.ip_address(bind.strip("[]")))
+            address = ipaddress.ip_address(bind.strip("[]"))
+            if address.is_multicast or address == ipaddress.IPv4Address("255.255.255.255"):
+                raise ValueError("no host has it")
         except ValueError:
-            raise UsageError(f"--rdzv-conf bind={bind}: give an IP address of this machine, or 0.0.0.0 (or ::) "
+            raise UsageError(f"--rdzv-conf bind={bind[:60]}: give an IP address of this machine, or 0.0.0.0 (or ::) "
                              "to listen on every interface") from None
+        conf["bind"] = str(address)
     return conf
 
 

@@ -133,8 +133,10 @@ def test_worker_env_matches_torchrun_with_explicit_master_port(tmp_path, workloa
                        ["--master-port", str(f_port)], per_launch)
 
 
-def test_gloo_env_init_and_all_reduce_work_under_ftrun(run_ftrun, workload):
-    res = run_ftrun("--nproc-per-node", "2", workload("allreduce.py"))
+def test_gloo_env_init_and_all_reduce_work_under_ftrun_with_the_store_bound_to_one_address(run_ftrun, workload):
+    """The store listens on 127.0.0.2 alone (--rdzv-conf bind): the workers' MASTER_ADDR is that address, where
+    "localhost" would leave them connecting to 127.0.0.1 until their store timeout."""
+    res = run_ftrun("--nproc-per-node", "2", "--rdzv-conf", "bind=127.0.0.2", workload("allreduce.py"))
     assert res.returncode == 0, res.stderr
     for rank in (0, 1):
         for step in (0, 1):
