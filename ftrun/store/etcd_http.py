@@ -32,6 +32,10 @@ election timeouts (etcd's require-leader metadata, ``hasleader``, as clientv3's 
 the gateway passes ``Grpc-Metadata-`` headers on as gRPC metadata). A member cut off from the others keeps a
 plain watch open and silent, and a waiter on it would hear of nothing until its next read; this one ends, and
 the waiter opens it again on a member that hears the writes."""
+FIRST_ANSWER_TIMEOUT = 10.0
+"""Seconds a member that has not yet answered a call has to answer one (at most; less where the client's
+timeout is shorter): a service that accepts connections and never answers held a single-node job's start-up
+for its whole store timeout, 300 s, deaf to SIGTERM; it now counts as a member that cannot be reached."""
 KEPT_CONNECTIONS = 4
 """Connections a member's pool keeps open for its calls (more are opened while more calls run at once)."""
 
@@ -47,13 +51,16 @@ class Tls(NamedTuple):
 
 class Member:
     """One member's gateway at ``host:port`` (over TLS when ``tls`` is given); ``timeout`` bounds connecting
-    and each read of a call. :attr:`headers` go with every call and stream (the auth token)."""
+    and each read of a call (:data:`FIRST_ANSWER_TIMEOUT` until the member first answers). :attr:`headers` go
+    with every call and stream (the auth token)."""
 
     def __init__(self, host: str, port: int, tls: Tls | None, timeout: float) -> None:
         self.host, self.port, self.tls = host, port, tls
         self.headers: dict[str, str] = {"Content-Type": "application/json"}
         self._pool = self._new_pool(KEPT_CONNECTIONS)
-        self._call_timeout = urllib3.Timeout(connect=timeout, read=timeout)
+        first = min(timeout, FIRST_ANSWER_TIMEOUT)
+        self._call_timeout = urllib3.Timeout(connect=first, read=first)  # until it first answers
+        self._answered_timeout = urllib3.Timeout(connect=timeout, read=timeout)
         self._stream_timeout = urllib3.Timeout(connect=timeout, read=None)
 
     def _new_pool(self, size: int) -> urllib3.HTTPConnectionPool:
@@ -74,6 +81,7 @@ class Member:
                                         timeout=self._call_timeout)
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             raise ConnectionError(type(exc).__name__) from None
+        self._call_timeout = self._answered_timeout
         if answer.status in UNAVAILABLE:
             raise ConnectionError(f"HTTP {answer.status}")
         if answer.status != 200:

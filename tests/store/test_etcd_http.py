@@ -66,6 +66,18 @@ def test_a_member_that_does_not_listen_is_a_connection_error():
             Member("127.0.0.1", port, None, 5.0).stream("watch", {})
 
 
+@pytest.mark.fast
+def test_a_member_that_accepts_and_never_answers_is_a_connection_error_within_the_first_answer_bound(monkeypatch):
+    """A service that accepts and says nothing (not etcd, or a member stuck) is not waited on for the client's
+    whole timeout: with 300 s, a single-node job's start-up sat there, deaf to SIGTERM."""
+    from ftrun.store import etcd_http
+
+    monkeypatch.setattr(etcd_http, "FIRST_ANSWER_TIMEOUT", 0.5)
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # the kernel accepts; nobody ever reads or writes
+        with pytest.raises(ConnectionError, match="ReadTimeoutError"):
+            Member("127.0.0.1", silent.getsockname()[1], None, 300.0).post("kv/range", {})
+
+
 @contextlib.contextmanager
 def socket_bound() -> Iterator[int]:
     """A port bound on the loopback address and never listened on, while the context lasts."""
