@@ -280,9 +280,8 @@ class Redundancy:
             transfer.send_bytes(transfer.p2p_on_backend(control), payload, list(range(1, world)))
             return self.layout, skeleton
         loaded = transfer.load_peer_bytes(transfer.receive_bytes(transfer.p2p_on_backend(control), 0))
-        items = loaded.get("layout") if isinstance(loaded, dict) and "skeleton" in loaded else None
-        if not isinstance(items, list) or not all(isinstance(item, (list, tuple)) and len(item) == 4
-                                                  and transfer.is_tensor_layout(*item[:3]) for item in items):
+        items = transfer.described_tensors(loaded, "layout")
+        if items is None:
             raise transfer.MalformedState("the layout of the sharded state from rank 0 is not one this worker reads")
         return Layout.from_list(items), loaded["skeleton"]
 

@@ -131,18 +131,21 @@ def read_manifest(data: bytes) -> tuple[Any, list[TensorSpec]]:
     """A peer's manifest, loaded without running code: the skeleton and the specs of the tensors to come;
     MalformedState when it is not one."""
     loaded = load_peer_bytes(data)
-    specs = loaded.get("specs") if isinstance(loaded, dict) and "skeleton" in loaded else None
-    if not isinstance(specs, list) or not all(isinstance(spec, (list, tuple)) and len(spec) == 4
-                                              and is_tensor_layout(*spec[:3]) and isinstance(spec[3], str)
-                                              for spec in specs):
+    specs = described_tensors(loaded, "specs")
+    if specs is None or not all(isinstance(device_type, str) for *_, device_type in specs):
         raise MalformedState("the state's manifest from the source is not one this worker reads")
     return loaded["skeleton"], [TensorSpec(tuple(p), d, tuple(s), t) for p, d, s, t in specs]
 
 
-def is_tensor_layout(path: Any, dtype: Any, shape: Any) -> bool:
-    """Whether a peer's ``(path, dtype, shape)`` describes a tensor: a sequence, a torch dtype, sizes >= 0."""
-    return isinstance(path, (list, tuple)) and isinstance(dtype, torch.dtype) and isinstance(shape, (list, tuple)) \
-        and all(type(size) is int and size >= 0 for size in shape)
+def described_tensors(loaded: Any, field: str) -> list | None:
+    """``loaded[field]`` where ``loaded`` (from a peer) is a dict with a ``skeleton`` and that field is a list of
+    4-item entries, each starting with a tensor's path, dtype and shape (sizes >= 0); else None."""
+    items = loaded.get(field) if isinstance(loaded, dict) and "skeleton" in loaded else None
+    if not isinstance(items, list) or not all(isinstance(item, (list, tuple)) and len(item) == 4 for item in items):
+        return None
+    ok = all(isinstance(path, (list, tuple)) and isinstance(dtype, torch.dtype) and isinstance(shape, (list, tuple))
+             and all(type(size) is int and size >= 0 for size in shape) for path, dtype, shape, _ in items)
+    return items if ok else None
 
 
 def load_peer_bytes(data: bytes) -> Any:
