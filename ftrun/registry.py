@@ -8,15 +8,19 @@ is a 0600 file: an entry holds the run's secret, which lets its holder command t
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 import psutil
 
 from ftrun.errors import NoSuchJob, UsageError
-from ftrun.paths import is_dir
+from ftrun.launcher.hosts import MAX_HOST_NAME
+from ftrun.paths import Unreadable, is_dir, read_small_file
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,91 @@ class RunEntry:
     def endpoint(self) -> str:
         """Where the job's records are: HOST:PORT of its TCPStore, or its etcd URL."""
         return self.store_url or f"{self.host}:{self.port}"
+
+
+ENTRY_LIMIT = 64 << 10
+"""Bytes a registry entry may hold: ftrun writes a few hundred; a bigger file is not one of its entries."""
+MAX_PID = 2**31 - 1
+"""The largest process id a system gives (a C pid_t); a larger one in an entry is not a process."""
+MAX_TEXT = 4096
+"""Characters a text field of an entry may hold: the longest path Linux takes."""
+
+
+def _text(value: Any) -> bool:
+    """A string a name or a path can be: at most MAX_TEXT characters, none NUL, and each one a path can hold
+    (undecodable bytes come as surrogate escapes; a lone surrogate of another kind cannot be written out)."""
+    if not isinstance(value, str) or len(value) > MAX_TEXT:
+        return False
+    try:
+        return b"\0" not in os.fsencode(value)
+    except UnicodeEncodeError:
+        return False
+
+
+def _name(value: Any) -> bool:
+    """A non-empty :func:`_text`."""
+    return _text(value) and value != ""
+
+
+def _optional_name(value: Any) -> bool:
+    return value is None or _name(value)
+
+
+def _host(value: Any) -> bool:
+    return _name(value) and len(value) <= MAX_HOST_NAME
+
+
+def _secret(value: Any) -> bool:
+    """Printable ASCII, as a secret file holds it and a run's own secret is made."""
+    return _name(value) and value.isascii() and value.isprintable()
+
+
+def _port(value: Any) -> bool:
+    return type(value) is int and 0 < value < 65536
+
+
+def _pid(value: Any) -> bool:
+    return type(value) is int and 0 < value <= MAX_PID
+
+
+def _time(value: Any) -> bool:
+    """A time since the epoch: a finite number, not negative (a process's start time)."""
+    return type(value) in (int, float) and math.isfinite(value) and value >= 0
+
+
+_FIELD_CHECKS: dict[str, Callable[[Any], bool]] = {
+    "run_id": _name, "rdzv_id": _text, "host": _host, "port": _port, "pid": _pid, "run_dir": _name,
+    "started": _time, "secret": _secret, "store_url": _optional_name,
+}
+"""What each field of an entry must hold: an entry read back is used without more checks."""
+_REQUIRED = frozenset(f.name for f in fields(RunEntry) if f.default is MISSING)
+
+
+def parse_entry(raw: bytes) -> RunEntry | None:
+    """The entry a registry file's bytes hold, or None when they are not one: not JSON, not an object with
+    RunEntry's fields and no others, or a field of the wrong type or out of its range."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):  # UnicodeDecodeError and too long a number are ValueErrors
+        return None
+    if not isinstance(data, dict) or not _REQUIRED <= data.keys() <= _FIELD_CHECKS.keys():
+        return None
+    if not all(_FIELD_CHECKS[name](value) for name, value in data.items()):
+        return None
+    return RunEntry(**data)
+
+
+def read_entry(path: Path) -> RunEntry | None:
+    """The entry in the registry file at ``path``, or None when it is not one to use: not a regular file this
+    user owns (never waited on, as a FIFO would be, nor followed as a link), over ENTRY_LIMIT bytes, or not an
+    entry (:func:`parse_entry`)."""
+    try:
+        if path.lstat().st_uid != os.getuid():
+            return None  # not written by this user: not to be trusted with a secret
+        raw, _ = read_small_file(path, ENTRY_LIMIT, follow=False)
+    except (OSError, Unreadable):
+        return None
+    return parse_entry(raw)
 
 
 def xdg_dir(variable: str) -> str | None:
@@ -111,11 +200,8 @@ def running() -> list[RunEntry]:
     folder = registry_dir()
     entries = []
     for path in sorted(folder.glob("*.json")) if is_dir(folder) else []:
-        try:
-            if path.stat().st_uid != os.getuid():
-                continue  # not written by this user: not to be trusted with a secret
-            entry = RunEntry(**json.loads(path.read_text(encoding="utf-8")))
-        except (OSError, ValueError, TypeError, RecursionError):
+        entry = read_entry(path)
+        if entry is None:
             continue
         if _alive(entry):
             entries.append(entry)

@@ -126,6 +126,8 @@ class StoreClient:
             raise StoreTimeout(f"no connection within {patience:g} s") from None
         except OSError as exc:
             raise StoreError(exc.strerror or str(exc)) from None
+        except UnicodeError as exc:  # a name the idna codec refuses to look up: a label over 63 characters
+            raise StoreError(f"not a host name that can be looked up ({exc})") from None
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock.setblocking(False)  # each call tries its read or write at once, and waits only when it must
         self._poller = select.poll()

@@ -141,6 +141,14 @@ def test_a_port_nobody_listens_on_is_refused(free_port):
         StoreClient("127.0.0.1", free_port(), timeout=5)
 
 
+@pytest.mark.parametrize("host", ["x" * 100, "a..b"])
+def test_a_host_name_the_idna_codec_refuses_is_a_store_error_not_a_unicode_error(host):
+    """A label over 63 characters (or an empty one) is refused by the codec that looks a name up, with a
+    UnicodeError: ``ftrun status --endpoint`` showed it as a traceback."""
+    with pytest.raises(StoreError, match=r"not a host name that can be looked up \(.*label"):
+        StoreClient(host, 29500, timeout=5)
+
+
 @pytest.mark.fast
 def test_read_many_deletes_first_then_reads_each_key_or_none(server):
     master, torch_client = server
