@@ -287,10 +287,11 @@ def writable_log_dir(log_dir: str) -> Path:
 
 
 def resume_dir(run_dir: str) -> Path:
-    """Check that --resume-from names a run directory holding saved state; its absolute path."""
+    """Check that --resume-from names a run directory holding saved state (a regular file ``rescue/*.pt``: a FIFO
+    or a directory there is none); its absolute path. The workers read the files, and skip those they cannot use."""
     path = Path(run_dir).absolute()
-    if not is_dir(path / "rescue") or not any((path / "rescue").glob("*.pt")):
-        raise UsageError(f"--resume-from {run_dir}: no saved state there (no {path / 'rescue'}/*.pt): give the "
+    if not is_dir(path / "rescue") or not any(is_file(file) for file in (path / "rescue").glob("*.pt")):
+        raise UsageError(f"--resume-from {run_dir}: no saved state there (no file {path / 'rescue'}/*.pt): give the "
                          "run directory of a launch that saved its state, as its 'the state of step N is saved' "
                          "line names it")
     return path

@@ -8,8 +8,9 @@ import selectors
 import pytest
 
 from conftest import EXAMPLE
-from ftrun import flag_values, protocol
+from ftrun import flag_values, protocol, registry
 from ftrun.errors import UsageError
+from ftrun.store import auth
 
 HUGE = "9" * 4300  # past the 4,300 digits Python's int() takes: parsing it must not raise
 POSITIVE = "must be a positive number of seconds, at most 1,000,000, not"  # flag_values.seconds, MAX_SECONDS
@@ -198,3 +199,33 @@ def test_the_longest_duration_a_flag_takes_is_one_every_wait_can_make_twice_over
     for value, zero in ((protocol.MAX_SECONDS * 1.000001, False), (0.0, False), (-0.001, True)):
         with pytest.raises(UsageError):
             flag_values.seconds("--flag", value, zero=zero)
+
+
+def test_a_registry_entry_that_is_a_fifo_is_skipped_rather_than_waited_on(run_ftrun, private_registry):
+    """`ftrun status` and `ftrun inject` read every entry of the registry: a FIFO there held them for ever."""
+    folder = registry.private_dir(registry.registry_dir())
+    os.mkfifo(folder / "r1_abcdef12.json", 0o600)
+    for args in (["status"], ["status", "--json"], ["inject", "kill", "--rank", "0"]):
+        result = run_ftrun(*args, env=private_registry, timeout=30)
+        assert result.returncode == 3 and result.stderr.startswith("ftrun: error: no ftrun job is running on this "
+                                                                   "machine"), (args, result)
+        assert result.stderr.count("\n") == 1, (args, result)
+
+
+def test_an_endpoint_whose_host_cannot_be_looked_up_is_one_line(run_ftrun, private_registry, tmp_path):
+    """A host name the idna codec refuses (a label over 63 characters) was a UnicodeError traceback."""
+    secret = tmp_path / "secret"
+    auth.write_secret_file(secret, "ab" * 32)
+    result = run_ftrun("status", "--endpoint", "x" * 100 + ":1", "--secret-file", secret, env=private_registry)
+    assert result.returncode == 3 and result.stderr.count("\n") == 1, result
+    assert f"cannot reach a job at {'x' * 100}:1: not a host name that can be looked up" in result.stderr, result
+
+
+def test_resuming_from_rescue_files_that_are_not_regular_files_is_one_line(run_ftrun, tmp_path):
+    """A FIFO named like a rescue file passed the check of --resume-from, then held every worker for ever."""
+    os.makedirs(tmp_path / "run" / "rescue")
+    os.mkfifo(tmp_path / "run" / "rescue" / "0.pt")
+    (tmp_path / "run" / "rescue" / "1.pt").mkdir()
+    result = run_ftrun("--resume-from", tmp_path / "run", EXAMPLE, timeout=30)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result
+    assert result.stderr.startswith(f"ftrun: error: --resume-from {tmp_path / 'run'}: no saved state there"), result

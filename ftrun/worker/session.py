@@ -293,8 +293,13 @@ class Session:
         if source.name and source.is_dir():
             best = best_rescue(source)
             if best is not None:
-                with self._state_lock:
-                    self.committed_step = load_into(best, self.protected)
+                try:
+                    with self._state_lock:
+                        self.committed_step = load_into(best, self.protected)
+                except (RuntimeError, ValueError, KeyError, TypeError) as exc:  # another model's state, or names
+                    why = " ".join(str(exc).split())[:300]
+                    raise SystemExit(f"ftrun: cannot resume from the state of step {best['step']} saved in "
+                                     f"{source}: {why}") from None
                 if self.rank == 0:
                     print(f"ftrun: resuming from the state of step {self.committed_step} saved in {source}",
                           file=sys.stderr, flush=True)

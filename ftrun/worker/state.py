@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import stat
 import sys
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
 import torch
+
+from ftrun.protocol import MAX_INT
 
 
 class Stateful(Protocol):
@@ -27,7 +30,8 @@ def load_into(data: dict[str, Any], objects: dict[str, Stateful]) -> int:
     """Load a snapshot into the protected objects; returns the step it committed."""
     missing = set(objects) - set(data["state"])
     if missing:
-        raise RuntimeError(f"ftrun: a peer sent no state for {sorted(missing)}: every rank must protect the same names")
+        raise RuntimeError(f"ftrun: the state to load (a peer's, or a rescue file's) holds none for {sorted(missing)}: "
+                           "every rank must protect the same names, and a resumed run those of the run that saved it")
     for name, obj in objects.items():
         obj.load_state_dict(data["state"][name])
     return int(data["step"])
@@ -73,18 +77,72 @@ class _KeepsWriteError:
         self.file.flush()
 
 
+class BadRescue(ValueError):
+    """A rescue file that is not one to load (a FIFO, a device) or not a saved state; the message says why."""
+
+
+def rescue_problem(data: Any) -> str | None:
+    """Why ``data``, loaded from a rescue file, is not a state :func:`snapshot` made (None when it is one): a
+    dict with a whole-number step a C int64 holds and a state that maps each protected name to its state dict."""
+    if not isinstance(data, dict):
+        return f"not a saved state (a {type(data).__name__}, not a dict of step and state)"
+    step, state = data.get("step"), data.get("state")
+    if type(step) is not int:  # a bool, a float, a string or a tensor is not a step ftrun saved
+        return f"its step is a {type(step).__name__}, not an int"
+    if not -MAX_INT <= step <= MAX_INT:
+        return "its step is out of range (an int64 holds it where it is used)"
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, dict) for k, v in state.items()):
+        return "its state is not a dict of state dicts by name"
+    return None
+
+
+def _open_regular(path: Path) -> BinaryIO:
+    """The regular file at ``path``, open to read; BadRescue for anything else (a FIFO is not waited on for a
+    writer, a device such as /dev/zero is not read), OSError when it cannot be opened."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # O_NONBLOCK: opening a FIFO does not wait
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise BadRescue("not a regular file")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def load_rescue(path: Path) -> dict[str, Any]:
+    """The state saved in the rescue file at ``path``, loaded without running code (``weights_only``: a pickle
+    that would call a function is refused) and checked (:func:`rescue_problem`); raises when it is not one."""
+    with _open_regular(path) as file:
+        data = torch.load(file, map_location="cpu", weights_only=True)
+    problem = rescue_problem(data)
+    if problem is not None:
+        raise BadRescue(problem)
+    return data
+
+
+def _skipped_because(exc: Exception) -> str:
+    """Why a rescue file is skipped, in one line: the first of its message (which may have none), after the
+    exception's name unless ftrun's own check raised it."""
+    first = (str(exc).splitlines() or [""])[0][:200]
+    if isinstance(exc, BadRescue):
+        return first
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
 def best_rescue(directory: Path) -> dict[str, Any] | None:
-    """The readable rescue file with the highest committed step, loaded without running code; one line
-    on stderr for each file that cannot be read (a worker killed mid-write leaves only a .partial)."""
+    """The usable rescue file with the highest committed step (:func:`load_rescue`); one line on stderr for each
+    file that cannot be used (a worker killed mid-write leaves only a .partial), and one when none holds a
+    committed state (a step of 0 or more): this worker then starts from scratch."""
     best: dict[str, Any] | None = None
     for path in sorted(directory.glob("*.pt")):
         try:
-            data = torch.load(path, map_location="cpu", weights_only=True)
-            step = int(data["step"])
-        except Exception as exc:  # noqa: BLE001 -- any unreadable file is skipped the same way
-            print(f"ftrun: skipping rescue file {path}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}",
-                  file=sys.stderr, flush=True)
+            data = load_rescue(path)
+        except Exception as exc:  # noqa: BLE001 -- any unusable file is skipped the same way
+            print(f"ftrun: skipping rescue file {path}: {_skipped_because(exc)}", file=sys.stderr, flush=True)
             continue
-        if step >= 0 and (best is None or step > best["step"]):
+        if data["step"] >= 0 and (best is None or data["step"] > best["step"]):
             best = data
+    if best is None:
+        print(f"ftrun: no rescue file in {directory} holds a committed state to resume from: this worker starts "
+              "from scratch (step 0) unless another rank resumes one", file=sys.stderr, flush=True)
     return best

@@ -104,6 +104,13 @@ def test_sigterm_saves_the_committed_state_and_a_resumed_launch_continues_the_lo
             assert (c.world, c.rank) == (NPROC, uid), f"{c}\n{second.explain()}"
             assert c.loss == pytest.approx(baseline[c.step], rel=RTOL), f"{c}\n{second.explain()}"
 
+    # the same state into a model of another width: each worker says so in one line, and the launch fails
+    other = run_ftrun("--nproc-per-node", 2, "--resume-from", first.run_dir, workload("faulty_train.py"),
+                      "--steps", str(STEPS), "--width", "128", timeout=TIMEOUT)
+    refused = f"ftrun: cannot resume from the state of step {SAVED_STEP} saved in {first.run_dir / 'rescue'}: "
+    assert other.returncode == 1 and other.stderr.count(refused) == 2, other.stderr
+    assert "size mismatch" in other.stderr and "Traceback" not in other.stderr, other.stderr
+
 
 def test_resume_from_a_directory_without_saved_state_is_one_line(run_ftrun, workload, tmp_path):
     result = run_ftrun("--resume-from", tmp_path, workload("faulty_train.py"))

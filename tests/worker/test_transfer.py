@@ -168,19 +168,82 @@ def test_a_rank_behind_receives_the_sources_state_over_gloo(free_port, bucket_by
 
 
 # ------------------------------------------------------------------------------ rescue files
+class MakesAFolder:
+    """Unpickled, it would make the folder ``path``: a rescue file that runs code when it is loaded."""
+
+    def __init__(self, path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (os.mkdir, (self.path,))
+
+
 def test_best_rescue_skips_unreadable_files_with_one_line_each(tmp_path, capsys):
     save_rescue(objects(0), 4, tmp_path / "0.pt")
     save_rescue(objects(0), 6, tmp_path / "1.pt")
     (tmp_path / "2.pt").write_bytes(b"truncated by a kill mid-write")
     (tmp_path / "3.pt").write_bytes(pickle.dumps({"step": 99, "state": os.system}, protocol=2))  # code, never run
+    torch.save({"step": 99, "state": {"model": MakesAFolder(tmp_path / "owned")}}, tmp_path / "4.pt")
     best = best_rescue(tmp_path)
     assert best is not None and best["step"] == 6
+    assert not (tmp_path / "owned").exists()  # loaded with weights_only: the pickle's call was refused, not run
     lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 2 and all(line.startswith("ftrun: skipping rescue file ") for line in lines), lines
+    assert len(lines) == 3 and all(line.startswith("ftrun: skipping rescue file ") for line in lines), lines
     restored = objects(1)
     assert load_into(best, restored) == 6
 
 
-def test_best_rescue_of_no_committed_state_is_none(tmp_path):
+def test_best_rescue_of_no_committed_state_is_none_and_says_the_worker_starts_from_scratch(tmp_path, capsys):
+    """Every file skipped, or none holding a committed step (-1: saved before the first commit), made the run
+    start from step 0 and succeed without a word: one line says so."""
     save_rescue(objects(0), -1, tmp_path / "0.pt")
+    (tmp_path / "1.pt").write_bytes(b"")
     assert best_rescue(tmp_path) is None
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [f"ftrun: skipping rescue file {tmp_path / '1.pt'}: EOFError",
+                     (f"ftrun: no rescue file in {tmp_path} holds a committed state to resume from: this worker "
+                      "starts from scratch (step 0) unless another rank resumes one")], lines
+
+
+@pytest.mark.timeout(30)
+def test_a_rescue_file_that_is_not_a_regular_file_is_skipped_not_waited_on_nor_read_without_end(tmp_path, capsys):
+    """A FIFO named like a rescue file held every worker of a --resume-from launch in open() for ever; a link to
+    /dev/zero or a directory is no saved state either. Each is one line, and the regular file is used."""
+    save_rescue(objects(0), 4, tmp_path / "0.pt")
+    os.mkfifo(tmp_path / "1.pt")
+    (tmp_path / "2.pt").symlink_to("/dev/zero")
+    (tmp_path / "3.pt").mkdir()
+    best = best_rescue(tmp_path)
+    assert best is not None and best["step"] == 4
+    assert capsys.readouterr().err.splitlines() == [
+        f"ftrun: skipping rescue file {tmp_path / name}: not a regular file" for name in ("1.pt", "2.pt", "3.pt")]
+
+
+@pytest.mark.parametrize("content, reason", [
+    ({"step": "9", "state": {}}, "its step is a str, not an int"),
+    ({"step": 9.5, "state": {}}, "its step is a float, not an int"),
+    ({"step": True, "state": {}}, "its step is a bool, not an int"),
+    ({"step": torch.tensor(9), "state": {}}, "its step is a Tensor, not an int"),
+    ({"step": 2**70, "state": {}}, "its step is out of range"),
+    ({"step": 1e300, "state": {}}, "its step is a float, not an int"),
+    ({"step": 9}, "its state is not a dict of state dicts by name"),
+    ({"step": 9, "state": [1, 2]}, "its state is not a dict of state dicts by name"),
+    ({"step": 9, "state": {"model": None}}, "its state is not a dict of state dicts by name"),
+    ([1, 2, 3], "not a saved state (a list, not a dict of step and state)"),
+    (torch.zeros(3), "not a saved state (a Tensor, not a dict of step and state)"),
+])
+def test_a_rescue_file_that_loads_but_is_no_saved_state_is_skipped_with_one_line(tmp_path, capsys, content, reason):
+    """Files torch loads whose content ftrun did not write: each crashed every worker (a step compared with an
+    int, a missing state, a step an int64 cannot hold) or was taken as another step (9.5, '9'): now skipped."""
+    save_rescue(objects(0), 4, tmp_path / "0.pt")
+    torch.save(content, tmp_path / "1.pt")
+    best = best_rescue(tmp_path)
+    assert best is not None and best["step"] == 4
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"ftrun: skipping rescue file {tmp_path / '1.pt'}: {reason}"), lines
+
+
+def test_a_saved_state_without_a_protected_name_says_so_in_the_error(tmp_path):
+    save_rescue({"model": objects(0)["model"]}, 4, tmp_path / "0.pt")
+    with pytest.raises(RuntimeError, match=r"a rescue file's\) holds none for \['optimizer', 'scheduler'\]"):
+        load_into(best_rescue(tmp_path), objects(1))
