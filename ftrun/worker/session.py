@@ -44,6 +44,16 @@ DEFAULT_RECOVERY_DEADLINE = 90.0
 default --recovery-timeout plus --join-timeout."""
 
 
+@contextmanager
+def _state_from(source: int) -> Iterator[None]:
+    """Around taking the state rank ``source`` sends: bytes that are not state (:class:`transfer.MalformedState`)
+    end this worker in one line, as another rank's death would; a retry would get the same bytes."""
+    try:
+        yield
+    except transfer.MalformedState as exc:
+        raise SystemExit(f"ftrun: cannot take the state rank {source} sent: {exc}") from None
+
+
 class Session:
     """One worker's membership in the job.
 
@@ -447,7 +457,7 @@ class Session:
     def _restore_sharded(self, choice: Choice, plan: Plan) -> None:
         """Move the chosen copies into the new shards, rebuild the objects over this world and load them;
         then copy the result to the buddies at once, so the new generation is redundant from its start."""
-        with self._state_lock:
+        with self._state_lock, _state_from(0):
             self.committed_step = INVALID_STEP
             self.redundancy.restore(choice, self.planes.control, plan.gen, plan.members)
             self.committed_step = choice.step
@@ -467,7 +477,7 @@ class Session:
         if self.rank == source and behind:
             transfer.send(snapshot(self.protected, best), behind, self._route())
         elif self.rank in behind:
-            with self._state_lock:
+            with self._state_lock, _state_from(source):
                 self.committed_step = INVALID_STEP
                 received = transfer.receive(source, snapshot(self.protected, INVALID_STEP), self._route())
                 self.committed_step = load_into(received, self.protected)

@@ -13,8 +13,8 @@ one bucket beyond the state itself, and nothing is serialised whole.
 The manifest is read with ``torch.load(weights_only=True)``: a peer's bytes build tensors, containers and
 plain values, never run code. State that holds other types must allow them by name with
 ``torch.serialization.add_safe_globals`` (README, "Protected state"). Bytes that do not load, or that do not
-describe tensors (a peer of another ftrun version), are :class:`MalformedState`: a failed transfer, reported as
-one, never an exception that ends the receiver.
+describe tensors (a peer of another ftrun version), are :class:`MalformedState`, whatever torch or the check
+found, in one line: the receiver cannot take part, and ends with that line (a retry would get the same bytes).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import io
 import math
+import re
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ Exchange = Callable[[list[tuple[torch.Tensor, int, bool]]], None]
 """Runs point-to-point operations ``(tensor, peer, is_send)`` on one plane together and waits for them."""
 
 
-class MalformedState(CollectiveFailed):
+class MalformedState(RuntimeError):
     """What a peer sent is not state this worker can load (bytes that do not load, or do not describe tensors)."""
 
 
@@ -153,8 +154,15 @@ def load_peer_bytes(data: bytes) -> Any:
     try:
         return torch.load(io.BytesIO(data), weights_only=True)
     except Exception as exc:  # a peer's bytes: whatever the unpickler raises on them
-        raise MalformedState(f"a peer's bytes do not load as state ({type(exc).__name__}: "
-                             f"{str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''})") from None
+        raise MalformedState(f"a peer's bytes do not load as state ({type(exc).__name__}: {_reason(exc)})") from None
+
+
+def _reason(exc: Exception) -> str:
+    """The line of a load's error that says what is wrong: torch's weights-only refusal names the type to allow
+    on a later line (``WeightsUnpickler error: Unsupported global: ...``), after lines of advice."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(exc).splitlines()]
+    lines = [line for line in lines if line]
+    return next((line for line in lines if line.startswith("WeightsUnpickler error")), lines[0] if lines else "")[:300]
 
 
 def send_bytes(exchange: Exchange, data: torch.Tensor, peers: list[int]) -> None:
