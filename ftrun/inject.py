@@ -10,7 +10,6 @@ in the run's event log.
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from collections.abc import Callable, Iterable
@@ -21,7 +20,7 @@ from typing import Any
 from ftrun import events, protocol, registry
 from ftrun.errors import NoSuchJob, UsageError
 from ftrun.flag_values import seconds
-from ftrun.lines import LineBuffer
+from ftrun.paths import Unreadable
 from ftrun.protocol import DRILL_KINDS
 from ftrun.store import keys
 from ftrun.store.client import STORE_START_WAIT, check_endpoint, connect_job
@@ -199,23 +198,25 @@ def chaos_message(kind: str, rank: int) -> dict[str, Any]:
 
 
 class EventFollower:
-    """Reads the events appended to a run's events.jsonl since the last call."""
+    """Reads the events appended to a run's events.jsonl since the last call: the lines that are events (a line
+    that is none is skipped, as ``ftrun status`` skips it: ``ftrun.events.EventReader``)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.offset = 0
-        self.lines = LineBuffer()
+        self.reader = events.EventReader()
 
     def new(self) -> list[dict[str, Any]]:
-        """Events written since the last call (a line still being written waits for the next call)."""
+        """Events written since the last call (a line still being written waits for the next call); none while
+        there is no log; UsageError when it is not a regular file or cannot be read."""
+        found = []
         try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-                self.offset = f.tell()
-        except FileNotFoundError:
-            return []
-        return [json.loads(line) for line in self.lines.feed(data) if line.strip()]
+            for chunk in events.read_chunks(self.path, self.offset):
+                self.offset += len(chunk)
+                found += self.reader.feed(chunk)
+        except Unreadable as exc:
+            raise UsageError(f"the job's event log {self.path}: {exc}") from None
+        return found
 
 
 GONE = "gone"

@@ -136,22 +136,25 @@ sleep, a deadline twice as far) must fit in what the system's waits take: epoll'
 ms, about 24.8 days, and a longer one raises OverflowError instead of waiting."""
 
 
-def _int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """Whether ``value`` is an int (not a bool) a C int64 holds (:data:`MAX_INT`)."""
     return type(value) is int and -MAX_INT <= value <= MAX_INT
 
 
-def _optional_int(value: Any) -> bool:
-    return value is None or _int(value)
+def is_optional_int(value: Any) -> bool:
+    """None, or :func:`is_int`."""
+    return value is None or is_int(value)
 
 
-def _number(value: Any) -> bool:
-    return _int(value) or type(value) is float and math.isfinite(value)
+def is_number(value: Any) -> bool:
+    """Whether ``value`` is an :func:`is_int` or a finite float."""
+    return is_int(value) or type(value) is float and math.isfinite(value)
 
 
 def is_duration(value: Any, *, zero: bool = False) -> bool:
     """Whether ``value`` is a number of seconds ftrun waits or sleeps: more than 0 (or 0, with ``zero``) and at
     most :data:`MAX_SECONDS` (never nan, an infinity or a bool)."""
-    return _number(value) and (0 <= value if zero else 0 < value) and value <= MAX_SECONDS
+    return is_number(value) and (0 <= value if zero else 0 < value) and value <= MAX_SECONDS
 
 
 def _pause(value: Any) -> bool:
@@ -162,16 +165,19 @@ def _optional_duration(value: Any) -> bool:
     return value is None or is_duration(value)
 
 
-def _text(value: Any) -> bool:
+def is_text(value: Any) -> bool:
+    """Whether ``value`` is a string."""
     return isinstance(value, str)
 
 
-def _flag(value: Any) -> bool:
+def is_flag(value: Any) -> bool:
+    """Whether ``value`` is a bool."""
     return type(value) is bool
 
 
-def _uids(value: Any) -> bool:
-    return isinstance(value, list) and all(_int(v) for v in value) and len(set(value)) == len(value)
+def is_uids(value: Any) -> bool:
+    """Whether ``value`` is a list of distinct :func:`is_int`."""
+    return isinstance(value, list) and all(is_int(v) for v in value) and len(set(value)) == len(value)
 
 
 def _digits(value: Any, most: int) -> bool:
@@ -180,12 +186,12 @@ def _digits(value: Any, most: int) -> bool:
 
 
 def _unreachable(value: Any) -> bool:
-    return value is None or isinstance(value, dict) and all(_digits(k, 18) and _uids(v) for k, v in value.items())
+    return value is None or isinstance(value, dict) and all(_digits(k, 18) and is_uids(v) for k, v in value.items())
 
 
 def _timings(value: Any) -> bool:
     return isinstance(value, dict) and all(name in value for name in RECOVERY_PHASES) \
-        and all(isinstance(k, str) and _number(v) for k, v in value.items())
+        and all(isinstance(k, str) and is_number(v) for k, v in value.items())
 
 
 def is_address(value: Any) -> bool:
@@ -222,27 +228,27 @@ lose where cores are few; the agent's uses (the hang watchdog, whose timeouts ar
 refreshed every second) need no more. A worker also tells its last committed step as it leaves its step loop
 (``finished``), and the step it held when a recovery began (``recovered``'s ``held``)."""
 
-FAILURE_FIELDS: dict[str, Check] = {"rank": _optional_int, "local_rank": _int, "pid": _int, "exitcode": _int,
-                                    "when": _number, "message": _text, "traceback": _text}
+FAILURE_FIELDS: dict[str, Check] = {"rank": is_optional_int, "local_rank": is_int, "pid": is_int, "exitcode": is_int,
+                                    "when": is_number, "message": is_text, "traceback": is_text}
 """The fields of a worker failure, as a follower reports one (``ftrun.agent.failures.WorkerFailure``)."""
 
 FROM_WORKER: dict[str, dict[str, Check]] = {
-    HELLO: {"uid": _int, "pid": _int, "spare": _flag},
-    READY: {"uid": _int},
-    PROGRESS: {"gen": _int, "step": _int, "time": _number, "step_time": _number},
-    ENTERED: {"step": _int},
-    FINISHED: {"step": _int},
-    RECOVERED: {"gen": _int, "step": _int, "held": _int, "timings": _timings, "plan_received": _number},
-    SAVED: {"step": _int},
-    UNRECOVERABLE: {"gen": _int, "reason": _text},
-    COLLECTIVE_FAILED: {"gen": _int, "step": _int, "phase": _text, "error": _text, "unreachable": _unreachable},
+    HELLO: {"uid": is_int, "pid": is_int, "spare": is_flag},
+    READY: {"uid": is_int},
+    PROGRESS: {"gen": is_int, "step": is_int, "time": is_number, "step_time": is_number},
+    ENTERED: {"step": is_int},
+    FINISHED: {"step": is_int},
+    RECOVERED: {"gen": is_int, "step": is_int, "held": is_int, "timings": _timings, "plan_received": is_number},
+    SAVED: {"step": is_int},
+    UNRECOVERABLE: {"gen": is_int, "reason": is_text},
+    COLLECTIVE_FAILED: {"gen": is_int, "step": is_int, "phase": is_text, "error": is_text, "unreachable": _unreachable},
 }
 """Every message a worker sends its agent, with the fields the agent reads."""
 
 TO_WORKER: dict[str, dict[str, Check]] = {
-    PLAN: {"gen": _int, "members": _uids, "reason": _text, "lost": _uids, "joiners": _uids, "store": _address},
+    PLAN: {"gen": is_int, "members": is_uids, "reason": is_text, "lost": is_uids, "joiners": is_uids, "store": _address},
     SAVE: {},
-    RAISE: {"message": _text},
+    RAISE: {"message": is_text},
     SLOW: {"seconds": _pause, "duration": _optional_duration},
 }
 """Every message an agent sends a worker (directly, or relayed by the worker's own agent)."""
@@ -284,23 +290,23 @@ def _failure(value: Any) -> bool:
 
 
 MAIL: dict[str, dict[str, Check]] = {
-    WORKER_STARTED: {"uid": _int, "pid": _int, "local_rank": _int, "rank": _optional_int, "joiner": _flag},
-    WORKER_MESSAGE: {"uid": _int, "msg": lambda msg: worker_message_problem(msg) is None},
-    WORKER_EXITED: {"uid": _int, "code": _int},
-    NODE_GONE: {"node": _int, "reason": _text, "since": _number},
-    NODE_STUCK: {"node": _int, "gen": _int, "reason": _text},
-    FOLLOWING: {"node": _int, "term": _int, "gen": _int},
-    RELAY: {"uid": _int, "data": _relayed},
-    RELAY_ALL: {"uids": _uids, "data": _relayed},
-    SIGNAL: {"uid": _int, "sig": _signal},
-    START_WORKER: {"uid": _int, "local_rank": _int, "rank": _optional_int},
-    STOP: {"reason": _text},
-    RESTART: {"attempt": _int, "reason": _text},
+    WORKER_STARTED: {"uid": is_int, "pid": is_int, "local_rank": is_int, "rank": is_optional_int, "joiner": is_flag},
+    WORKER_MESSAGE: {"uid": is_int, "msg": lambda msg: worker_message_problem(msg) is None},
+    WORKER_EXITED: {"uid": is_int, "code": is_int},
+    NODE_GONE: {"node": is_int, "reason": is_text, "since": is_number},
+    NODE_STUCK: {"node": is_int, "gen": is_int, "reason": is_text},
+    FOLLOWING: {"node": is_int, "term": is_int, "gen": is_int},
+    RELAY: {"uid": is_int, "data": _relayed},
+    RELAY_ALL: {"uids": is_uids, "data": _relayed},
+    SIGNAL: {"uid": is_int, "sig": _signal},
+    START_WORKER: {"uid": is_int, "local_rank": is_int, "rank": is_optional_int},
+    STOP: {"reason": is_text},
+    RESTART: {"attempt": is_int, "reason": is_text},
     DONE: {},
 }
 """Every message agents (and the hostfile launcher) post to each other's mailboxes, with its fields."""
 
-COMMANDS: dict[str, dict[str, Check]] = {PING: {}, INJECT: {"kind": _text, "rank": _int}}
+COMMANDS: dict[str, dict[str, Check]] = {PING: {}, INJECT: {"kind": is_text, "rank": is_int}}
 """Every command a client posts to an agent's mailbox, with the fields the agent reads before its handler."""
 
 

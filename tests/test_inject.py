@@ -391,3 +391,30 @@ def test_the_worker_raises_once_and_sleeps_while_slowed():
     started = time.monotonic()
     drills.at_step()
     assert time.monotonic() - started < 0.1
+
+
+@pytest.mark.fast
+def test_the_event_follower_skips_lines_that_are_no_event_and_waits_for_one_being_written(tmp_path):
+    import json
+    import os
+
+    from ftrun import events
+
+    path = tmp_path / "events.jsonl"
+    log = events.EventLog(path)
+    joiner = log.write(events.WORKER_START, uid=2, rank=None, local_rank=2, pid=7, joiner=True, attempt=0, node=0)
+    log.close()
+    recovery = {"v": 1, "time": 1700000002.0, "event": "recovery", "kind": "fault", "gen": 1, "lost_ranks": [1],
+                "lost_uids": [1], "world_before": 3, "world_after": 3, "joiners": [2], "steps_lost": 0,
+                "resumed_at_step": 5, "latency": 0.25, "phases": {"detect": 0.01}, "data_plane": "formed"}
+    line = json.dumps(recovery).encode() + b"\n"
+    with open(path, "ab") as f:
+        f.write(b'{"event": "recovery", "lost_uids": 1}\n[1]\n\xff\n' + line[:20])
+    follower = EventFollower(path)
+    assert follower.new() == [joiner]
+    with open(path, "ab") as f:
+        f.write(line[20:])
+    assert follower.new() == [recovery] and follower.reader.skipped == 3
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(UsageError, match="fifo: not a regular file$"):
+        EventFollower(tmp_path / "fifo").new()

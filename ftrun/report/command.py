@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import re
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from ftrun import registry
 from ftrun.errors import NoSuchJob, UsageError
-from ftrun.events import read_events
-from ftrun.paths import is_dir
+from ftrun.events import BoundedLines, read_chunks, skipped_words
+from ftrun.paths import Unreadable, is_dir
 from ftrun.report.svg import render_svg
 from ftrun.report.timeline import build_timeline, parse_losses
-from ftrun.status.sources import run_dirs
+from ftrun.status.sources import read_run_log, run_dirs
+
+WORKER_LOG_TAIL = 64 << 20
+"""The bytes read of each worker's stdout.log, from its end: the losses of its last steps."""
+MAX_LOG_LINE = 64 << 10
+"""The longest line of a worker's log searched for a loss, in bytes; a longer one is passed over."""
+_ATTEMPT = re.compile(r"attempt_(\d{1,9})")
+"""The folder of one attempt's worker logs."""
 
 
 def find_run(run: str | None, log_dir: Path | None) -> Path:
@@ -31,22 +41,48 @@ def find_run(run: str | None, log_dir: Path | None) -> Path:
 
 def read_losses(run_dir: Path) -> list[tuple[int, float]]:
     """The losses the workers printed, from their stdout logs (written with --log-dir), by step; a later
-    attempt's value replaces an earlier one's for a step it ran again."""
+    attempt's value replaces an earlier one's for a step it ran again. Only the last WORKER_LOG_TAIL bytes of
+    each log are read; a folder not named ``attempt_<number>``, and a log that is not a regular file (a FIFO,
+    a directory, a symbolic link) or cannot be read, are passed over."""
     losses: dict[int, float] = {}
-    attempts = sorted(run_dir.glob("attempt_*"), key=lambda p: int(p.name.split("_")[1]))
-    for attempt in attempts:
+    for attempt in _attempts(run_dir):
         for log in sorted(attempt.glob("*/stdout.log")):
-            with open(log, encoding="utf-8", errors="replace") as lines:
-                losses.update(parse_losses(lines))
+            losses.update(parse_losses(_log_lines(log)))
     return sorted(losses.items())
 
 
+def _attempts(run_dir: Path) -> list[Path]:
+    """The attempt folders of a run directory, in the order they ran."""
+    numbered = [(int(match[1]), path) for path in run_dir.glob("attempt_*") if (match := _ATTEMPT.fullmatch(path.name))]
+    return [path for _, path in sorted(numbered)]
+
+
+def _log_lines(log: Path) -> Iterator[str]:
+    """The lines of the last WORKER_LOG_TAIL bytes of a worker's log, as text, but those longer than
+    MAX_LOG_LINE; none when it is not a regular file or cannot be read."""
+    lines = BoundedLines(MAX_LOG_LINE)
+    try:
+        for chunk in read_chunks(log, last=WORKER_LOG_TAIL, follow=False):
+            yield from (line.decode(errors="replace") for line in lines.feed(chunk) if line is not None)
+    except Unreadable:
+        return
+    rest = lines.rest()
+    if rest:
+        yield rest.decode(errors="replace")
+
+
 def report(run: str | None, log_dir: Path | None, output: Path | None) -> Path:
-    """Draw the run's timeline into ``output`` (default: report.svg in its run directory); the file written."""
+    """Draw the run's timeline into ``output`` (default: report.svg in its run directory); the file written.
+    The lines of the event log that are no event are skipped, and said so in one line on stderr."""
     run_dir = find_run(run, log_dir)
-    events = read_events(run_dir / "events.jsonl")
+    events, reader = read_run_log(run_dir)
+    log = run_dir / "events.jsonl"
+    if not events and reader.skipped:
+        raise UsageError(f"{log} holds no event: {skipped_words(reader.skipped_lines())}")
     if not events:
-        raise NoSuchJob(f"{run_dir}/events.jsonl is empty: the run recorded nothing yet")
+        raise NoSuchJob(f"{log} is empty: the run recorded nothing yet")
+    if reader.skipped:
+        print(f"ftrun: {log}: {skipped_words(reader.skipped_lines())}", file=sys.stderr)
     svg = render_svg(build_timeline(events, read_losses(run_dir), run_dir.name))
     target = output or run_dir / "report.svg"
     try:

@@ -8,6 +8,7 @@ timeline in, a string out.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Sequence
 from html import escape
 
@@ -29,11 +30,18 @@ COLOURS = {"world": "#1f77b4", "rate": "#2ca02c", "loss": "#8c564b", "fault": "#
            "restart": "#ff7f0e", "recovery": "#2ca02c", "grid": "#e5e5e5", "text": "#333333"}
 PHASE_COLOURS = dict(zip(RECOVERY_PHASES, ("#d62728", "#ff7f0e", "#bcbd22", "#17becf", "#1f77b4", "#9467bd",
                                            "#2ca02c")))
+_NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
+"""Characters XML 1.0 does not allow (and surrogates, which no UTF-8 file holds)."""
+
+
+def _xml(text: str) -> str:
+    """``text`` as the content of an SVG element: escaped, each character XML does not allow a ``?``."""
+    return escape(_NOT_XML.sub("?", text))
 
 
 def nice_ticks(low: float, high: float, count: int = 6) -> list[float]:
     """Round tick values covering [low, high]: steps of 1, 2 or 5 times a power of ten."""
-    if high <= low:
+    if not high - low >= 1e-300:  # empty, or too narrow for a float's powers of ten
         high = low + 1
     raw = (high - low) / count
     power = 10 ** math.floor(math.log10(raw))
@@ -49,7 +57,7 @@ def _number(value: float) -> str:
 def _text(x: float, y: float, text: str, size: int = 11, anchor: str = "start", colour: str = COLOURS["text"],
           weight: str = "normal") -> str:
     return (f"<text x='{x:.1f}' y='{y:.1f}' font-size='{size}' text-anchor='{anchor}' fill='{colour}' "
-            f"font-weight='{weight}' {FONT}>{escape(text)}</text>")
+            f"font-weight='{weight}' {FONT}>{_xml(text)}</text>")
 
 
 class _Axes:
@@ -108,7 +116,7 @@ class _Axes:
     def marks(self, marks: Sequence[Mark], colour: str) -> list[str]:
         """Dashed vertical lines at ``marks``, each with its label as a tooltip."""
         return [f"<line x1='{self.x(m.time):.1f}' x2='{self.x(m.time):.1f}' y1='{self.top}' "
-                f"y2='{self.top + self.height}' stroke='{colour}' stroke-dasharray='4 3'><title>{escape(m.label)} "
+                f"y2='{self.top + self.height}' stroke='{colour}' stroke-dasharray='4 3'><title>{_xml(m.label)} "
                 f"(+{m.time:.2f} s)</title></line>" for m in marks]
 
     def labels(self, marks: Sequence[tuple[Mark, str]]) -> list[str]:
@@ -147,7 +155,7 @@ def _world_panel(timeline: Timeline, top: float) -> list[str]:
     for span in timeline.recoveries:
         x0, x1 = axes.x(span.start), axes.x(span.end)
         parts.append(f"<rect x='{x0:.1f}' y='{top}' width='{max(x1 - x0, 2):.1f}' height='{PANEL}' "
-                     f"fill='{COLOURS['recovery']}' opacity='0.35'><title>{escape(span.label)}: "
+                     f"fill='{COLOURS['recovery']}' opacity='0.35'><title>{_xml(span.label)}: "
                      f"{(span.end - span.start) * 1000:.0f} ms</title></rect>")
     parts += axes.marks(timeline.faults, COLOURS["fault"]) + axes.marks(timeline.drills, COLOURS["drill"])
     parts += axes.marks(timeline.restarts, COLOURS["restart"])

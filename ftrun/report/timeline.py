@@ -12,7 +12,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-_LOSS = re.compile(r"\bstep[=:\s]\s*(\d+)\b.*?\bloss[=:\s]\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)")
+_STEP = re.compile(r"\bstep[=:\s]\s*(\d{1,18})\b")
+_LOSS = re.compile(r"\bloss[=:\s]\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)")
+MAX_LOSS = 1e100
+"""The largest loss drawn, either sign: a larger one (an infinity, 1e999) is not plotted."""
 
 
 @dataclass(frozen=True)
@@ -117,10 +120,12 @@ def build_timeline(events: list[dict[str, Any]], losses: list[tuple[int, float]]
 
 
 def parse_losses(lines: Iterable[str]) -> dict[int, float]:
-    """``step=N ... loss=X`` as a worker prints it (``step: N``, ``loss X`` too) -> {step: loss}."""
+    """``step=N ... loss=X`` as a worker prints it (``step: N``, ``loss X`` too) -> {step: loss}: the first step
+    of a line and the first loss after it (two searches, each in time linear in the line's length)."""
     found = {}
     for line in lines:
-        match = _LOSS.search(line)
-        if match:
-            found[int(match.group(1))] = float(match.group(2))
+        step = _STEP.search(line)
+        loss = step and _LOSS.search(line, step.end())
+        if loss and abs(value := float(loss[1])) <= MAX_LOSS:
+            found[int(step[1])] = value
     return found

@@ -37,7 +37,7 @@ def live_document(job: dict[str, Any], nodes: list[dict[str, Any]], endpoint: st
                uptime=now - job["started"] if job.get("started") else None,
                record_age=max((now - node["time"] for node in nodes), default=None),
                recoveries=_recoveries(job["recoveries"]), workers=workers, events=events,
-               dropped_messages=_dropped(nodes))
+               dropped_messages=_dropped(nodes), skipped_lines=None)
     return doc
 
 
@@ -50,8 +50,9 @@ def _dropped(nodes: list[dict[str, Any]]) -> dict[str, Any]:
             "last": last}
 
 
-def ended_document(events: list[dict[str, Any]], run_dir: Path) -> dict[str, Any]:
-    """A job that is not running, from its event log: its outcome, faults, recoveries and last workers."""
+def ended_document(events: list[dict[str, Any]], run_dir: Path, skipped: dict[str, Any]) -> dict[str, Any]:
+    """A job that is not running, from its event log: its outcome, faults, recoveries and last workers;
+    ``skipped``: the lines of the log that are no event (``ftrun.events.EventReader.skipped_lines``)."""
     summary = tally_events(events).summary()
     doc = {k: summary.get(k) for k in JOB_FIELDS}
     started = summary["started"]
@@ -61,7 +62,7 @@ def ended_document(events: list[dict[str, Any]], run_dir: Path) -> dict[str, Any
                source="event log", endpoint=None, state="ended", health="ended", record_age=None,
                uptime=ended - started if started and ended else None,
                recoveries=_recoveries(summary["recoveries"]), workers=_last_workers(events),
-               events=summary["events"], dropped_messages=None)
+               events=summary["events"], dropped_messages=None, skipped_lines=skipped)
     return doc
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -10,12 +11,16 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from ftrun.events import skipped_words
 from ftrun.tally import RECOVERY_PHASES
 
 NONE = "-"
 HEALTH_STYLE = {"healthy": "bold green", "degraded": "bold yellow", "ended": "bold"}
 STATE_STYLE = {"running": "green", "recovering": "yellow", "hung": "bold red", "unkillable": "bold red", "lost": "red",
                "spare": "cyan", "joining": "cyan", "finished": "dim", "stopped": "dim"}
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
+"""Control characters but tab and newline, which a terminal would act on (an escape sequence in an event log),
+and surrogates, which a UTF-8 terminal cannot show (a run directory's name that is not UTF-8)."""
 
 
 def duration(seconds: float | None) -> str:
@@ -44,6 +49,14 @@ def _or_none(value: Any, fmt: str = "{}") -> str:
     return NONE if value is None else fmt.format(value)
 
 
+def _shown(value: str | Text) -> Text:
+    """``value`` as the screen shows it: never read as markup, each control character a ``?`` (the text of an
+    event log, or of a record, is anyone's)."""
+    text = value if isinstance(value, Text) else Text(value)
+    text.plain = _CONTROL.sub("?", text.plain)  # as long as before: the styles stay where they were
+    return text
+
+
 def job_line(doc: dict[str, Any]) -> Text:
     """Run id, health, generation, world size now/initial, uptime, step, steps/s, faults survived."""
     text = Text()
@@ -66,7 +79,10 @@ def job_line(doc: dict[str, Any]) -> Text:
     if dropped.get("mail") or dropped.get("channel"):
         text.append(f"\nrefused {dropped['mail']} store messages and {dropped['channel']} worker lines "
                     f"(last: {dropped['last'] or 'a malformed line'})", style="yellow")
-    return text
+    skipped = doc.get("skipped_lines") or {}
+    if skipped.get("count"):
+        text.append(f"\nevent log: {skipped_words(skipped)}", style="yellow")
+    return _shown(text)
 
 
 def recovery_line(doc: dict[str, Any]) -> Text:
@@ -94,12 +110,12 @@ def worker_table(doc: dict[str, Any]) -> Table:
             state.append(" evicted", style="bold red")
         mem = NONE if w["gpu_mem_used"] is None else f"{size(w['gpu_mem_used'])}/{size(w['gpu_mem_total'])}"
         rank = f"({w['rank']})" if w["state"] == "lost" and w["rank"] is not None else _or_none(w["rank"])
-        table.add_row(str(w["node"]), rank, str(w["local_rank"]), str(w["pid"]), state,
-                      _or_none(w["step"]), NONE if w["step_time"] is None else f"{w['step_time'] * 1000:.0f}ms",
-                      duration(w["since_progress"]), _or_none(w["cpu_percent"], "{:.0f}"), size(w["rss"]),
-                      _or_none(w["gpu_index"]), _or_none(w["gpu_util"], "{:.0f}"), mem,
-                      _or_none(w["gpu_temperature"], "{}C"), _or_none(w["ecc_uncorrected"]),
-                      _or_none(w["last_xid"]))
+        table.add_row(*map(_shown, (
+            str(w["node"]), rank, str(w["local_rank"]), str(w["pid"]), state, _or_none(w["step"]),
+            NONE if w["step_time"] is None else f"{w['step_time'] * 1000:.0f}ms", duration(w["since_progress"]),
+            _or_none(w["cpu_percent"], "{:.0f}"), size(w["rss"]), _or_none(w["gpu_index"]),
+            _or_none(w["gpu_util"], "{:.0f}"), mem, _or_none(w["gpu_temperature"], "{}C"),
+            _or_none(w["ecc_uncorrected"]), _or_none(w["last_xid"]))))
     return table
 
 
@@ -163,7 +179,8 @@ def event_table(doc: dict[str, Any]) -> Table:
     for name in ("time", "event", "what"):
         table.add_column(name, no_wrap=name != "what")
     for event in doc["events"]:
-        table.add_row(time.strftime("%H:%M:%S", time.localtime(event["time"])), event["event"], describe(event))
+        table.add_row(*map(_shown, (time.strftime("%H:%M:%S", time.localtime(event["time"])), event["event"],
+                                    describe(event))))
     return table
 
 

@@ -9,8 +9,8 @@ from typing import Any
 
 from ftrun import registry
 from ftrun.errors import NoSuchJob, UsageError
-from ftrun.events import read_events
-from ftrun.paths import is_dir, is_file
+from ftrun.events import EventReader, read_events
+from ftrun.paths import Unreadable, is_dir, is_file
 from ftrun.status.document import ended_document, live_document
 from ftrun.store.client import STORE_START_WAIT, check_endpoint, connect_job
 from ftrun.store.job import JobStore, MalformedValue
@@ -37,10 +37,11 @@ class Target:
             try:
                 return self._live()
             except NoSuchJob:
-                if self.run_dir is None or not (self.run_dir / "events.jsonl").is_file():
+                if self.run_dir is None or not is_file(self.run_dir / "events.jsonl"):
                     raise
                 self.endpoint = None  # it ended: from now on, its event log
-        return ended_document(read_events(self.run_dir / "events.jsonl"), self.run_dir)
+        events, reader = read_run_log(self.run_dir)
+        return ended_document(events, self.run_dir, reader.skipped_lines())
 
     def _live(self) -> dict[str, Any]:
         first = self.store is None
@@ -67,6 +68,16 @@ class Target:
             return self.store.read_node_status(node_rank)
         except MalformedValue:
             return None
+
+
+def read_run_log(run_dir: Path) -> tuple[list[dict[str, Any]], EventReader]:
+    """The events of a run directory's event log, and the reader that counted the lines that are none;
+    UsageError, in one line, when the log is not a regular file or cannot be read."""
+    reader = EventReader()
+    try:
+        return read_events(run_dir / "events.jsonl", reader), reader
+    except Unreadable as exc:
+        raise UsageError(f"{run_dir / 'events.jsonl'}: {exc}") from None
 
 
 def find_targets(endpoint: str | None, run_id: str | None, log_dir: Path | None,

@@ -159,6 +159,7 @@ def test_status_of_a_live_job_through_a_fault_and_after_it_ends(live_job, launch
     assert proc.wait(timeout=60) == 128 + signal.SIGTERM
     code, doc = status_json(capsys, "--run-id", entry.run_id)  # not running: summarised from its event log
     assert code == 1 and doc["state"] == "ended" and doc["outcome"] == "interrupted"
+    assert doc["skipped_lines"] == {"count": 0, "last": None}  # every record the agent wrote reads back
     assert (doc["faults"], doc["faults_survived"], doc["recoveries"]["count"]) == (1, 1, 1)
     assert doc["step"] >= after + 10 and (doc["generation"], doc["world_size"]) == (1, 3)
     ended = {w["pid"]: (w["rank"], w["state"]) for w in doc["workers"]}
@@ -294,7 +295,7 @@ def test_gpu_evictions_node_loss_fencing_and_drills_reach_the_event_table(tmp_pa
         {"time": 104.0, "event": "joiner_lost", "uid": 7, "how": "SIGKILL"},
         {"time": 105.0, "event": "end", "outcome": "failed", "reason": "gone"},
     ]
-    doc = ended_document(events, tmp_path)
+    doc = ended_document(events, tmp_path, {"count": 0, "last": None})
     assert [e["event"] for e in doc["events"]] == ["start", "inject", "gpu_health", "node_lost", "fenced",
                                                    "joiner_lost", "end"]
     screen = rendered(doc)
@@ -302,3 +303,35 @@ def test_gpu_evictions_node_loss_fencing_and_drills_reach_the_event_table(tmp_pa
                   "the bus) -> evict_gpu", "node 1 lost (lease expired): ranks [2, 3]",
                   "this node stopped its workers: no lease renewal for 10 s", "joiner 7 lost before it was placed"):
         assert words in screen, screen
+
+
+@pytest.mark.fast
+def test_a_log_with_lines_that_are_no_event_is_summarised_and_says_so(private_registry, tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("COLUMNS", raising=False)
+    run_dir = tmp_path / "run_1"
+    log = events.EventLog(run_dir / "events.jsonl")
+    log.write(events.START, run_id="r", command=["train.py"], node=0, nproc=2, world_size=2, store_port=29500)
+    log.write(events.END, outcome="succeeded")
+    log.close()
+    with open(run_dir / "events.jsonl", "ab") as f:
+        f.write(b'[1]\n{"v": 1, "event": "fenced", "time": NaN, "reason": ""}\n{"event": "end", "ti')
+    code, out = status(capsys, "--json", "--log-dir", str(run_dir))
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+
+    (doc,) = json.loads(out, parse_constant=refuse)["jobs"]
+    skipped = "skipped 3 lines that are no event (the last: line 5: not JSON, cut short or corrupted)"
+    assert code == 0 and doc["outcome"] == "succeeded" and doc["world_size_initial"] == 2
+    assert doc["skipped_lines"] == {"count": 3, "last": "line 5: not JSON, cut short or corrupted"}
+    code, out = status(capsys, "--log-dir", str(run_dir))
+    assert code == 0 and f"event log: {skipped}" in out, out
+
+
+@pytest.mark.fast
+def test_text_from_an_event_log_is_shown_as_text_not_markup_or_escapes(tmp_path):
+    events = [{"time": 100.0, "event": "start", "run_id": "r", "world_size": 1},
+              {"time": 101.0, "event": "fenced", "reason": "[/x] [bold]\x1b[2J\udcff"},
+              {"time": 102.0, "event": "end", "outcome": "[/y]"}]
+    screen = rendered(ended_document(events, tmp_path, {"count": 0, "last": None}))
+    assert "this node stopped its workers: [/x] [bold]?[2J?" in screen and "(ended: [/y])" in screen, screen
