@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ftrun import events, protocol, registry
+from ftrun import event_log, events, protocol, registry
 from ftrun.errors import NoSuchJob, UsageError
 from ftrun.flag_values import seconds
 from ftrun.paths import Unreadable
@@ -199,19 +199,19 @@ def chaos_message(kind: str, rank: int) -> dict[str, Any]:
 
 class EventFollower:
     """Reads the events appended to a run's events.jsonl since the last call: the lines that are events (a line
-    that is none is skipped, as ``ftrun status`` skips it: ``ftrun.events.EventReader``)."""
+    that is none is skipped, as ``ftrun status`` skips it: ``ftrun.event_log.EventReader``)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.offset = 0
-        self.reader = events.EventReader()
+        self.reader = event_log.EventReader()
 
     def new(self) -> list[dict[str, Any]]:
         """Events written since the last call (a line still being written waits for the next call); none while
         there is no log; UsageError when it is not a regular file or cannot be read."""
         found = []
         try:
-            for chunk in events.read_chunks(self.path, self.offset):
+            for chunk in event_log.read_chunks(self.path, self.offset):
                 self.offset += len(chunk)
                 found += self.reader.feed(chunk)
         except Unreadable as exc:

@@ -11,7 +11,8 @@ import pytest
 from ftrun import events
 from ftrun.agent.output import LogFiles, WorkerOutput
 from ftrun.console import STDOUT
-from ftrun.events import EventLog, read_events
+from ftrun.event_log import read_events
+from ftrun.events import EventLog
 
 pytestmark = pytest.mark.fast
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ftrun import registry
 from ftrun.errors import NoSuchJob, UsageError
-from ftrun.events import BoundedLines, read_chunks, skipped_words
+from ftrun.event_log import BoundedLines, read_chunks, skipped_words
 from ftrun.paths import Unreadable, is_dir
 from ftrun.report.svg import render_svg
 from ftrun.report.timeline import build_timeline, parse_losses

@@ -52,7 +52,7 @@ def _dropped(nodes: list[dict[str, Any]]) -> dict[str, Any]:
 
 def ended_document(events: list[dict[str, Any]], run_dir: Path, skipped: dict[str, Any]) -> dict[str, Any]:
     """A job that is not running, from its event log: its outcome, faults, recoveries and last workers;
-    ``skipped``: the lines of the log that are no event (``ftrun.events.EventReader.skipped_lines``)."""
+    ``skipped``: the lines of the log that are no event (``ftrun.event_log.EventReader.skipped_lines``)."""
     summary = tally_events(events).summary()
     doc = {k: summary.get(k) for k in JOB_FIELDS}
     started = summary["started"]

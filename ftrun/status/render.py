@@ -11,7 +11,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from ftrun.events import skipped_words
+from ftrun.event_log import skipped_words
 from ftrun.tally import RECOVERY_PHASES
 
 NONE = "-"

@@ -9,7 +9,7 @@ from typing import Any
 
 from ftrun import registry
 from ftrun.errors import NoSuchJob, UsageError
-from ftrun.events import EventReader, read_events
+from ftrun.event_log import EventReader, read_events
 from ftrun.paths import Unreadable, is_dir, is_file
 from ftrun.status.document import ended_document, live_document
 from ftrun.store.client import STORE_START_WAIT, check_endpoint, connect_job

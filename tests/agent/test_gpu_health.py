@@ -24,7 +24,8 @@ import pytest
 
 from conftest import ROOT
 from ftrun.agent.gpu_health import GpuHealth
-from ftrun.events import EventLog, read_events
+from ftrun.event_log import read_events
+from ftrun.events import EventLog
 from ftrun.health.nvml import NvmlMonitor
 from ftrun.health.policy import DEFAULT_TABLE
 from ftrun.health.signals import Action

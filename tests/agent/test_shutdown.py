@@ -13,7 +13,8 @@ from ftrun import protocol
 from ftrun.agent.decisions import Rescue, rescue_outcome, rescue_source
 from ftrun.agent.shutdown import KILL_WAIT, SAVE_SHARE, OnSignal, Phase, kill_now, on_signal, phase, schedule
 from ftrun.agent.stopper import Stopper
-from ftrun.events import EventLog, read_events
+from ftrun.event_log import read_events
+from ftrun.events import EventLog
 
 pytestmark = pytest.mark.fast
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from ftrun import events
-from ftrun.events import MAX_LINE, MAX_TIME, EventLog, EventReader, event_problem, read_events
+from ftrun.event_log import MAX_LINE, MAX_TIME, EventReader, event_problem, read_events
+from ftrun.events import EventLog
 from ftrun.paths import Unreadable
 
 pytestmark = pytest.mark.fast
