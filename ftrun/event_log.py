@@ -13,13 +13,12 @@ import errno
 import json
 import math
 import os
-import stat
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from ftrun.events import KINDS, SCHEMA_VERSION
-from ftrun.paths import Unreadable
+from ftrun.paths import Unreadable, open_regular
 from ftrun.protocol import MAX_SECONDS, Check, is_flag, is_int, is_number, is_optional_int, is_text, is_uids
 
 MAX_LINE = 4 << 20
@@ -254,15 +253,12 @@ def read_chunks(path: Path, start: int = 0, *, last: int | None = None, follow: 
     (a FIFO is never waited on, a device never read without end), is a symbolic link and ``follow`` is False,
     or cannot be read."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW))
+        fd, info = open_regular(path, follow)
     except FileNotFoundError:
         return
     except OSError as exc:
         raise Unreadable("a symbolic link" if exc.errno == errno.ELOOP else exc.strerror or str(exc)) from None
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise Unreadable("not a regular file")
         position = start if last is None else max(start, info.st_size - last)
         cut = last is not None and position > 0  # begun inside the file: its first line is passed over
         if cut:

@@ -25,13 +25,10 @@ def read_small_file(path: str | os.PathLike[str], limit: int, follow: bool = Tru
     a regular file (never waited on, never read without end), or holds more than ``limit`` bytes. ``follow``:
     whether a symbolic link there is followed."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW))
+        fd, info = open_regular(path, follow)
     except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
         raise Unreadable(getattr(exc, "strerror", None) or str(exc)) from None
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise Unreadable("not a regular file")
         chunks, size = [], 0
         while size <= limit:
             chunk = os.read(fd, limit + 1 - size)
@@ -45,7 +42,22 @@ def read_small_file(path: str | os.PathLike[str], limit: int, follow: bool = Tru
         os.close(fd)
     if size > limit:
         raise Unreadable(f"larger than {limit:,} bytes")
-    return b"".join(chunks), mode
+    return b"".join(chunks), info.st_mode
+
+
+def open_regular(path: str | os.PathLike[str], follow: bool = True) -> tuple[int, os.stat_result]:
+    """A descriptor of the regular file at ``path``, open to read, and its status; Unreadable when something
+    else is there (a FIFO is opened without waiting for a writer, and a device is never read); OSError when it
+    cannot be opened (a symbolic link, where ``follow`` is False: ELOOP)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW))
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise Unreadable("not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, info
 
 
 def is_file(path: Path) -> bool:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import stat
 import sys
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
 import torch
 
+from ftrun.paths import Unreadable, open_regular
 from ftrun.protocol import MAX_INT
 
 
@@ -97,16 +97,14 @@ def rescue_problem(data: Any) -> str | None:
 
 
 def _open_regular(path: Path) -> BinaryIO:
-    """The regular file at ``path``, open to read; BadRescue for anything else (a FIFO is not waited on for a
-    writer, a device such as /dev/zero is not read), OSError when it cannot be opened."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # O_NONBLOCK: opening a FIFO does not wait
+    """The regular file at ``path``, open to read (:func:`ftrun.paths.open_regular`); BadRescue for anything
+    else (a FIFO is not waited on for a writer, a device such as /dev/zero is not read), OSError when it cannot
+    be opened."""
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise BadRescue("not a regular file")
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
+        fd, _ = open_regular(path)
+    except Unreadable as exc:
+        raise BadRescue(str(exc)) from None
+    return os.fdopen(fd, "rb")
 
 
 def load_rescue(path: Path) -> dict[str, Any]:
