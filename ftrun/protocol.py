@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import signal
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
@@ -192,6 +193,17 @@ def _unreachable(value: Any) -> bool:
 def _timings(value: Any) -> bool:
     return isinstance(value, dict) and all(name in value for name in RECOVERY_PHASES) \
         and all(isinstance(k, str) and is_number(v) for k, v in value.items())
+
+
+MAX_HOST_NAME = 253
+"""The longest host name DNS allows (RFC 1035); a longer one would only fail later, at ssh or its lookup."""
+_HOST_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+def is_host_name(value: Any) -> bool:
+    """Whether ``value`` is a host name or an IPv4 address as a hostfile, ``-H`` or an etcd endpoint names one:
+    at most :data:`MAX_HOST_NAME` letters, digits, '_', '.' and '-', not starting with '.' or '-'."""
+    return isinstance(value, str) and len(value) <= MAX_HOST_NAME and _HOST_NAME.fullmatch(value) is not None
 
 
 def is_address(value: Any) -> bool:

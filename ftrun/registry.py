@@ -19,8 +19,8 @@ from typing import Any
 import psutil
 
 from ftrun.errors import NoSuchJob, UsageError
-from ftrun.launcher.hosts import MAX_HOST_NAME
 from ftrun.paths import Unreadable, is_dir, read_small_file
+from ftrun.protocol import MAX_HOST_NAME
 
 
 @dataclass(frozen=True)

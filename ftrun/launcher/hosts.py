@@ -24,8 +24,8 @@ import psutil
 
 from ftrun.errors import UsageError
 from ftrun.paths import Unreadable, read_small_file
+from ftrun.protocol import MAX_HOST_NAME, is_host_name
 
-_HOSTNAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 _BRACKETED = re.compile(r"\[([^\]]*)\](?::(.*))?")
 _SLOT_KEYS = {"slots": "slots", "max_slots": "max_slots", "max-slots": "max_slots"}
 MAX_WORKERS_PER_NODE = 1024
@@ -41,8 +41,6 @@ class Host:
     slots: int | None = None
 
 
-MAX_HOST_NAME = 253
-"""The longest host name DNS allows (RFC 1035); a longer one would only fail later, at ssh or its lookup."""
 HOSTFILE_LIMIT = 16 << 20
 """Bytes a hostfile may hold: hundreds of thousands of lines."""
 
@@ -79,7 +77,7 @@ def _host_token(token: str) -> Host:
     else:
         name, colon, slots = token.partition(":")
         slots = slots if colon else None
-        if not _HOSTNAME.fullmatch(name) or len(name) > MAX_HOST_NAME:
+        if not is_host_name(name):
             fix = f"use at most {MAX_HOST_NAME} letters, digits, '_', '.' and '-', not starting with '.' or '-'"
             raise _Refused(f"{_shown(name)} is not a host name: {fix}")
     return Host(name, None if slots is None else _count(slots, "slot count"))

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import ipaddress
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ftrun.errors import UsageError
 from ftrun.paths import Unreadable, read_small_file
+from ftrun.protocol import is_host_name
 
 DEFAULT_PORT = 2379
 """etcd's client port, when an endpoint names none."""
@@ -68,7 +70,8 @@ class EtcdOptions:
 
 def parse_endpoints(text: str) -> tuple[tuple[str, int], ...]:
     """``h1:2379,h2:2379,[::1]:2379`` (a missing port is 2379; an ``http://`` or ``https://`` scheme is
-    allowed and dropped); UsageError when it is not such a list."""
+    allowed and dropped); UsageError when it is not such a list (another scheme, a user, a path, a host name that
+    is none)."""
     endpoints = []
     for item in text.split(","):
         item = item.strip()
@@ -77,12 +80,25 @@ def parse_endpoints(text: str) -> tuple[tuple[str, int], ...]:
         host, sep, port = item.rpartition(":")
         if not sep or host.endswith(":") or (host.count(":") and not host.startswith("[")):
             host, port = item, str(DEFAULT_PORT)
-        host = host.strip("[]")
-        if not host or not port.isascii() or not port.isdigit() or len(port) > 5 or not 0 < int(port) < 65536:
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]
+        if not _is_host(host) or not port.isascii() or not port.isdigit() or len(port) > 5 or not 0 < int(port) < 65536:
             raise UsageError(f"--rdzv-endpoint {text[:80]!r}: expected etcd endpoints HOST:PORT[,HOST:PORT...], "
                              "e.g. h1:2379,h2:2379,h3:2379")
         endpoints.append((host, int(port)))
     return tuple(endpoints)
+
+
+def _is_host(host: str) -> bool:
+    """Whether an endpoint's host (its brackets gone) is a host name, an IPv4 or an IPv6 address: a scheme other
+    than http(s), a user or a path cannot reach a member."""
+    if ":" not in host:
+        return is_host_name(host)
+    try:
+        ipaddress.IPv6Address(host)
+    except ValueError:
+        return False
+    return True
 
 
 BACKENDS = ("etcd", "etcd-v2")

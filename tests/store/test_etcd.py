@@ -39,7 +39,8 @@ def test_etcd_endpoints_are_parsed_as_torchrun_spells_them(text, endpoints):
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("text", ["", "h1:", "h1:0", "h1:99999", "h1:2379,,h2", "h1:x"])
+@pytest.mark.parametrize("text", ["", "h1:", "h1:0", "h1:99999", "h1:2379,,h2", "h1:x", "ftp://h1:2379",
+                                  "user@h1:2379", "h1:2379/path", "h1:1:2", "[h1", "-h1:2379", "[::g]:2379"])
 def test_a_malformed_etcd_endpoint_list_is_one_clear_error(text):
     with pytest.raises(UsageError, match="expected etcd endpoints"):
         parse_endpoints(text)
