@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import socket
+import ssl
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -80,7 +81,7 @@ class Member:
                                         retries=False, redirect=False, decode_content=False,
                                         timeout=self._call_timeout)
         except (urllib3.exceptions.HTTPError, OSError) as exc:
-            raise ConnectionError(type(exc).__name__) from None
+            raise _unreached(exc) from None
         self._call_timeout = self._answered_timeout
         if answer.status in UNAVAILABLE:
             raise ConnectionError(f"HTTP {answer.status}")
@@ -100,12 +101,20 @@ class Member:
                                   timeout=self._stream_timeout)
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             pool.close()
-            raise ConnectionError(type(exc).__name__) from None
+            raise _unreached(exc) from None
         if answer.status != 200:
             answer.close()
             pool.close()
             raise ConnectionError(f"HTTP {answer.status}")
         return Stream(pool, answer)
+
+
+def _unreached(exc: Exception) -> ConnectionError:
+    """What a call that did not reach its member raises: the kind of failure, and a TLS failure's reason too (a
+    key that is not the certificate's, a certificate the member's CA did not sign), since that is the fix."""
+    if isinstance(exc, (urllib3.exceptions.SSLError, ssl.SSLError)):
+        return ConnectionError(f"TLS: {str(exc)[:200]}")
+    return ConnectionError(type(exc).__name__)
 
 
 class Stream:

@@ -318,6 +318,9 @@ def test_tls_with_a_ca_and_a_client_certificate_passes_through(tmp_path):
         assert kv.get("k") == b"v" and parse_url(options.url()) == options
         with pytest.raises(EtcdUnavailable):  # without the client certificate the member refuses the client
             EtcdKeyValue(etcd_options(cluster.endpoints, "tls", {"protocol": "https", "cacert": tls.ca}), 5).set("k", "w")
+        mismatched = {**conf, "key": tls.server_key}  # the error says why, which is the fix
+        with pytest.raises(EtcdUnavailable, match="TLS: .*(KEY_VALUES_MISMATCH|key values mismatch)"):
+            EtcdKeyValue(etcd_options(cluster.endpoints, "tls", mismatched), 5).set("k", "w")
     finally:
         cluster.stop()
 
