@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -304,7 +305,9 @@ def report(
     loss where the workers printed it (step=N loss=X, kept with --log-dir)."""
     from ftrun.report.command import report as draw
 
-    print(draw(run, log_dir, output))
+    written = draw(run, log_dir, output)
+    sys.stdout.flush()
+    sys.stdout.buffer.write(os.fsencode(written) + b"\n")  # the name's own bytes, which may not be text
 
 
 def _with_default_command(argv: list[str], top_level: set[str]) -> list[str]:

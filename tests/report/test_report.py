@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -126,6 +128,18 @@ def report(capsys, *args: str) -> tuple[int, str, str]:
         main(["report", *args])
     out, err = capsys.readouterr()
     return exited.value.code, out, err
+
+
+@pytest.mark.fast
+def test_a_run_directory_whose_name_is_not_text_is_printed_as_its_own_bytes(tmp_path):
+    """Where stdout takes only UTF-8, a run directory's name that is not UTF-8 still prints: as its bytes, which a
+    shell can use."""
+    run_dir = Path(os.fsdecode(os.fsencode(tmp_path) + b"/run\xff"))
+    write_run(run_dir)
+    done = subprocess.run([sys.executable, "-m", "ftrun", "report", str(run_dir)], capture_output=True,
+                          env={**os.environ, "PYTHONIOENCODING": "utf-8:strict"}, timeout=60)
+    assert done.returncode == 0 and done.stdout == os.fsencode(run_dir / "report.svg") + b"\n", done.stderr
+    assert (run_dir / "report.svg").is_file()
 
 
 @pytest.mark.fast
