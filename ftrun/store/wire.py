@@ -105,8 +105,8 @@ class StoreClient:
 
     The methods are those of torch's ``TCPStore`` that ftrun's command line uses, with the same names and
     meanings; each waits at most ``timeout`` seconds unless given its own. Connecting waits at most
-    ``connect_timeout`` seconds (default ``timeout``) for the server to answer: more for a store known to be
-    about to be served on a socket that already listens.
+    ``connect_timeout`` seconds (default ``timeout``) for the server to answer, and so do the connections it
+    opens besides: more for a store known to be about to be served on a socket that already listens.
     """
 
     def __init__(self, host: str, port: int, timeout: float = DEFAULT_TIMEOUT,
@@ -119,6 +119,7 @@ class StoreClient:
         self._asked = False  # a query went out since the last read: its answer is a round trip away
         self._waiters: list[_Waiter] = []  # the connections wait_any waits on, one per key it waits for
         patience = timeout if connect_timeout is None else connect_timeout
+        self._patience = patience  # for the connections list_keys and wait_any open
         deadline = time.monotonic() + patience
         try:
             self._sock: socket.socket | None = socket.create_connection((host, port), timeout=patience)
@@ -256,7 +257,7 @@ class StoreClient:
         if self._sock is None:
             raise StoreError("the connection is closed")
         while len(self._waiters) <= slot:
-            self._waiters.append(_Waiter(StoreClient(*self._address, self.timeout)))
+            self._waiters.append(_Waiter(StoreClient(*self._address, self.timeout, self._patience)))
         waiter = self._waiters[slot]
         if waiter.key != key:
             waiter.arm(key, deadline)
@@ -276,7 +277,7 @@ class StoreClient:
             raw = [asking._recv_blob(deadline).decode(errors=KEY_ERRORS) for _ in range(asking._recv_i64(deadline))]
             return [key.removeprefix(KEY_PREFIX) for key in raw]
 
-        with StoreClient(*self._address, self.timeout) as asking:
+        with StoreClient(*self._address, self.timeout, self._patience) as asking:
             return asking._call(bytes([Query.LIST_KEYS]), None, read)
 
     def num_keys(self) -> int:

@@ -18,6 +18,11 @@ from ftrun.store.wire import StoreClient, StoreError, StoreTimeout
 pytestmark = pytest.mark.fast
 
 
+PATIENT = 30.0
+"""Seconds the tests' own clients give each call, as the torch clients beside them (a loaded machine's handshake
+can take more than the default 5 s); the tests of deadlines give their own."""
+
+
 @pytest.fixture(params=[True, False], ids=["libuv", "classic"])
 def server(request):
     """A real TCPStore server on a free port, and a torch client of it."""
@@ -31,7 +36,7 @@ def server(request):
 
 def test_what_torch_writes_ftrun_reads_and_back(server):
     master, torch_client = server
-    with StoreClient("127.0.0.1", master.port) as ours:
+    with StoreClient("127.0.0.1", master.port, PATIENT) as ours:
         torch_client.set("ftrun/job", '{"run_id": "r"}')
         assert ours.get("ftrun/job") == b'{"run_id": "r"}'
         assert ours.check(["ftrun/job"]) and not ours.check(["ftrun/job", "missing"])
@@ -49,7 +54,7 @@ def test_what_torch_writes_ftrun_reads_and_back(server):
 
 def test_keys_are_listed_as_torch_lists_them_and_the_connection_stays_usable(server):
     master, torch_client = server
-    with StoreClient("127.0.0.1", master.port) as ours:
+    with StoreClient("127.0.0.1", master.port, PATIENT) as ours:
         torch_client.set("worker/addr", "x")
         ours.set("ftrun/run", "r")
         assert sorted(ours.list_keys()) == sorted(torch_client.list_keys())
@@ -62,7 +67,7 @@ def test_a_key_that_is_not_utf8_is_listed_under_a_name_that_deletes_it(server):
     """Anyone who reaches the store may set such a key; the agent lists every key to clear a dead attempt's."""
     master, _ = server
     name = b"worker/\xff\xfe".decode(errors="surrogateescape")
-    with StoreClient("127.0.0.1", master.port) as ours:
+    with StoreClient("127.0.0.1", master.port, PATIENT) as ours:
         ours.set(name, b"v")
         assert name in ours.list_keys()
         assert ours.delete_key(name) and name not in ours.list_keys()
@@ -70,7 +75,7 @@ def test_a_key_that_is_not_utf8_is_listed_under_a_name_that_deletes_it(server):
 
 def test_wait_returns_once_another_client_sets_the_key(server):
     master, torch_client = server
-    with StoreClient("127.0.0.1", master.port) as ours:
+    with StoreClient("127.0.0.1", master.port, PATIENT) as ours:
         outcome = []
         waiter = threading.Thread(target=lambda: outcome.append(ours.get("late", timeout=60)))
         waiter.start()
