@@ -7,6 +7,7 @@ Slurm's hostlist syntax.
 
 from __future__ import annotations
 
+import math
 import re
 import shutil
 import subprocess
@@ -19,7 +20,12 @@ from ftrun.errors import UsageError
 SCONTROL_TIMEOUT = 5.0
 """Seconds ``scontrol show hostnames`` may take before the node list is expanded here instead."""
 
-_RANGE = re.compile(r"(\d+)(?:-(\d+))?")
+MAX_NODES = 100_000
+"""Hosts a node list may expand to: more than any cluster has (``n[0-9999999999]`` would fill the memory)."""
+MAX_DIGITS = 18
+"""Digits a number in a node list's brackets may have."""
+
+_RANGE = re.compile(r"([0-9]{1,%d})(?:-([0-9]{1,%d}))?" % (MAX_DIGITS, MAX_DIGITS))
 
 
 @dataclass(frozen=True)
@@ -44,8 +50,10 @@ def expand_nodelist(nodelist: str) -> list[str]:
         parts = re.split(r"\[([^\[\]]*)\]", token)  # text, bracket, text, bracket, ..., text
         texts, groups = parts[0::2], parts[1::2]
         if any("[" in t or "]" in t for t in texts):
-            raise ValueError(f"unbalanced brackets in {token!r}")
+            raise ValueError(f"unbalanced brackets in {_shown(token)}")
         choices = [_numbers(group, token) for group in groups]
+        if len(hosts) + math.prod(len(numbers) for numbers in choices) > MAX_NODES:
+            raise ValueError(f"it names more than {MAX_NODES:,} hosts")
         for numbers in product(*choices):
             hosts.append("".join(text + number for text, number in zip(texts, (*numbers, ""))))
     return hosts
@@ -57,29 +65,36 @@ def _split_top_level(nodelist: str) -> list[str]:
     for char in nodelist:
         depth += {"[": 1, "]": -1}.get(char, 0)
         if depth < 0 or depth > 1:
-            raise ValueError(f"unbalanced brackets in {nodelist!r}")
+            raise ValueError(f"unbalanced brackets in {_shown(nodelist)}")
         if depth == 0 and (char == "," or char.isspace()):
             tokens.append(current)
             current = ""
         else:
             current += char
     if depth:
-        raise ValueError(f"unbalanced brackets in {nodelist!r}")
+        raise ValueError(f"unbalanced brackets in {_shown(nodelist)}")
     return [t for t in [*tokens, current] if t]
 
 
 def _numbers(group: str, token: str) -> list[str]:
-    """The numbers of one bracket group, as text: ``08-10,15`` -> 08 09 10 15."""
-    numbers = []
+    """The numbers of one bracket group, as text: ``08-10,15`` -> 08 09 10 15 (at most MAX_NODES)."""
+    numbers: list[str] = []
     for item in group.split(","):
         match = _RANGE.fullmatch(item.strip())
         if not match:
-            raise ValueError(f"[{group}] in {token!r} is not a list of numbers and ranges like [1-4,7]")
+            raise ValueError(f"[{_shown(group)}] in {_shown(token)} is not a list of numbers and ranges like [1-4,7]")
         first, last = match.group(1), match.group(2) or match.group(1)
         if int(last) < int(first):
-            raise ValueError(f"range {item} in {token!r} runs backwards")
+            raise ValueError(f"range {_shown(item)} in {_shown(token)} runs backwards")
+        if len(numbers) + int(last) - int(first) + 1 > MAX_NODES:
+            raise ValueError(f"it names more than {MAX_NODES:,} hosts")
         numbers += [f"{n:0{len(first)}d}" for n in range(int(first), int(last) + 1)]
     return numbers
+
+
+def _shown(text: str) -> str:
+    """``text`` as an error quotes it: its start only, where it is long."""
+    return repr(text[:60]) + ("..." if len(text) > 60 else "")
 
 
 def scontrol_hostnames(nodelist: str, timeout: float = SCONTROL_TIMEOUT) -> list[str] | None:
@@ -109,12 +124,15 @@ def slurm_node(environ: Mapping[str, str]) -> SlurmNode | None:
     cannot be expanded."""
     nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
     node_id = environ.get("SLURM_NODEID")
-    if not nodelist or node_id is None or not node_id.isdigit():
+    if not nodelist or not node_id:
         return None
+    if not (node_id.isascii() and node_id.isdigit() and len(node_id) <= MAX_DIGITS):
+        raise UsageError(f"SLURM_NODEID={_shown(node_id)} is not a node number; "
+                         "give --node-rank and --rdzv-endpoint HOST:PORT instead")
     try:
         hosts = hostnames(nodelist)
     except ValueError as exc:
-        raise UsageError(f"SLURM_JOB_NODELIST={nodelist!r} cannot be expanded: {exc}; "
+        raise UsageError(f"SLURM_JOB_NODELIST={_shown(nodelist)} cannot be expanded: {exc}; "
                          "give --rdzv-endpoint HOST:PORT instead") from None
     if not hosts:
         return None

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from ftrun.errors import UsageError
-from ftrun.launcher.slurm import expand_nodelist, hostnames, scontrol_hostnames, slurm_node
+from ftrun.launcher.slurm import MAX_NODES, expand_nodelist, hostnames, scontrol_hostnames, slurm_node
 
 pytestmark = pytest.mark.fast
 
@@ -37,10 +37,27 @@ def test_documented_forms_expand_in_slurms_order(nodelist):
     assert expand_nodelist(nodelist) == FORMS[nodelist]
 
 
-@pytest.mark.parametrize("nodelist", ["n[1-2", "n1-2]", "n[[1]]", "n[a-b]", "n[3-1]", "bgl[123x456]", "n[]"])
+@pytest.mark.parametrize("nodelist", ["n[1-2", "n1-2]", "n[[1]]", "n[a-b]", "n[3-1]", "bgl[123x456]", "n[]", "n[\u0661]",
+                                      "n[" + "9" * 5000 + "]"])
 def test_malformed_lists_are_refused(nodelist):
     with pytest.raises(ValueError):
         expand_nodelist(nodelist)
+
+
+@pytest.mark.parametrize("nodelist", ["n[0-9999999999]", "n[1-2000][1-2000][1-2000]", "a[1-60000],b[1-60000]"])
+def test_a_list_of_more_hosts_than_any_cluster_is_refused_before_it_is_expanded(nodelist):
+    """Expanded, these would fill the memory or take hours."""
+    with pytest.raises(ValueError, match="names more than 100,000 hosts"):
+        expand_nodelist(nodelist)
+    assert len(expand_nodelist("n[1-100000]")) == MAX_NODES
+
+
+def test_a_node_id_that_is_no_number_is_one_short_line():
+    for node_id in ("9" * 5000, "\u0663", "-1"):
+        with pytest.raises(UsageError, match="is not a node number") as refused:
+            slurm_node({"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NODEID": node_id})
+        assert len(str(refused.value)) < 200
+    assert slurm_node({"SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NODEID": ""}) is None  # not in a job step
 
 
 def test_the_head_node_is_the_first_host_of_several_bracket_groups():
