@@ -27,3 +27,8 @@ class NoSuchJob(UsageError):
     """The job asked about is not there (not running, unreachable, unknown run id): one line, exit code 3."""
 
     exit_code = EXIT_NO_JOB
+
+
+def quoted(text: str, limit: int = 60) -> str:
+    """``text`` as an error line quotes it: its first ``limit`` characters, and "..." where there are more."""
+    return repr(text[:limit]) + ("..." if len(text) > limit else "")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from ftrun.errors import UsageError
+from ftrun.errors import UsageError, quoted
 from ftrun.paths import Unreadable, read_small_file
 from ftrun.protocol import MAX_HOST_NAME, is_host_name
 
@@ -49,10 +49,6 @@ class _Refused(Exception):
     """A bad entry; the caller adds where it was (``hosts:3``, ``-H entry 2``)."""
 
 
-def _shown(text: str) -> str:
-    """``text`` as an error line quotes it: its start only, where it is long."""
-    return repr(text[:60]) + ("..." if len(text) > 60 else "")
-
 
 def _count(text: str, what: str) -> int:
     """Parse a slot count: digits only, at least 1."""
@@ -69,17 +65,17 @@ def _host_token(token: str) -> Host:
         try:
             name = str(ipaddress.IPv6Address(address))
         except ValueError:
-            raise _Refused(f"{_shown(address)} is not an IPv6 address: write it like [fe80::1] or [fe80::1]:4") from None
+            raise _Refused(f"{quoted(address)} is not an IPv6 address: write it like [fe80::1] or [fe80::1]:4") from None
     elif token.startswith("["):
-        raise _Refused(f"{_shown(token)} is not a bracketed IPv6 address: write it like [fe80::1] or [fe80::1]:4")
+        raise _Refused(f"{quoted(token)} is not a bracketed IPv6 address: write it like [fe80::1] or [fe80::1]:4")
     elif token.count(":") > 1:
-        raise _Refused(f"IPv6 address {_shown(token)} must be in brackets: write [fe80::1] or [fe80::1]:4")
+        raise _Refused(f"IPv6 address {quoted(token)} must be in brackets: write [fe80::1] or [fe80::1]:4")
     else:
         name, colon, slots = token.partition(":")
         slots = slots if colon else None
         if not is_host_name(name):
             fix = f"use at most {MAX_HOST_NAME} letters, digits, '_', '.' and '-', not starting with '.' or '-'"
-            raise _Refused(f"{_shown(name)} is not a host name: {fix}")
+            raise _Refused(f"{quoted(name)} is not a host name: {fix}")
     return Host(name, None if slots is None else _count(slots, "slot count"))
 
 
@@ -91,9 +87,9 @@ def _parse_line(line: str) -> Host:
     for pair in pairs:
         key, equals, value = pair.partition("=")
         if not equals or key not in _SLOT_KEYS:
-            raise _Refused(f"unexpected {_shown(pair)} after the host name: only slots=N and max_slots=N are understood")
+            raise _Refused(f"unexpected {quoted(pair)} after the host name: only slots=N and max_slots=N are understood")
         if _SLOT_KEYS[key] in found:
-            raise _Refused(f"{_SLOT_KEYS[key]} given twice in {_shown(line)}: give it once")
+            raise _Refused(f"{_SLOT_KEYS[key]} given twice in {quoted(line)}: give it once")
         found[_SLOT_KEYS[key]] = _count(value, f"{key} value")
     slots, max_slots = found.get("slots"), found.get("max_slots")
     if slots is not None and max_slots is not None and slots > max_slots:

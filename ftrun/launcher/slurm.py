@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import product
 
-from ftrun.errors import UsageError
+from ftrun.errors import UsageError, quoted
 
 SCONTROL_TIMEOUT = 5.0
 """Seconds ``scontrol show hostnames`` may take before the node list is expanded here instead."""
@@ -50,7 +50,7 @@ def expand_nodelist(nodelist: str) -> list[str]:
         parts = re.split(r"\[([^\[\]]*)\]", token)  # text, bracket, text, bracket, ..., text
         texts, groups = parts[0::2], parts[1::2]
         if any("[" in t or "]" in t for t in texts):
-            raise ValueError(f"unbalanced brackets in {_shown(token)}")
+            raise ValueError(f"unbalanced brackets in {quoted(token)}")
         choices = [_numbers(group, token) for group in groups]
         if len(hosts) + math.prod(len(numbers) for numbers in choices) > MAX_NODES:
             raise ValueError(f"it names more than {MAX_NODES:,} hosts")
@@ -65,14 +65,14 @@ def _split_top_level(nodelist: str) -> list[str]:
     for char in nodelist:
         depth += {"[": 1, "]": -1}.get(char, 0)
         if depth < 0 or depth > 1:
-            raise ValueError(f"unbalanced brackets in {_shown(nodelist)}")
+            raise ValueError(f"unbalanced brackets in {quoted(nodelist)}")
         if depth == 0 and (char == "," or char.isspace()):
             tokens.append(current)
             current = ""
         else:
             current += char
     if depth:
-        raise ValueError(f"unbalanced brackets in {_shown(nodelist)}")
+        raise ValueError(f"unbalanced brackets in {quoted(nodelist)}")
     return [t for t in [*tokens, current] if t]
 
 
@@ -82,19 +82,15 @@ def _numbers(group: str, token: str) -> list[str]:
     for item in group.split(","):
         match = _RANGE.fullmatch(item.strip())
         if not match:
-            raise ValueError(f"[{_shown(group)}] in {_shown(token)} is not a list of numbers and ranges like [1-4,7]")
+            raise ValueError(f"[{group[:60]}] in {quoted(token)} is not a list of numbers and ranges like [1-4,7]")
         first, last = match.group(1), match.group(2) or match.group(1)
         if int(last) < int(first):
-            raise ValueError(f"range {_shown(item)} in {_shown(token)} runs backwards")
+            raise ValueError(f"range {quoted(item)} in {quoted(token)} runs backwards")
         if len(numbers) + int(last) - int(first) + 1 > MAX_NODES:
             raise ValueError(f"it names more than {MAX_NODES:,} hosts")
         numbers += [f"{n:0{len(first)}d}" for n in range(int(first), int(last) + 1)]
     return numbers
 
-
-def _shown(text: str) -> str:
-    """``text`` as an error quotes it: its start only, where it is long."""
-    return repr(text[:60]) + ("..." if len(text) > 60 else "")
 
 
 def scontrol_hostnames(nodelist: str, timeout: float = SCONTROL_TIMEOUT) -> list[str] | None:
@@ -127,12 +123,12 @@ def slurm_node(environ: Mapping[str, str]) -> SlurmNode | None:
     if not nodelist or not node_id:
         return None
     if not (node_id.isascii() and node_id.isdigit() and len(node_id) <= MAX_DIGITS):
-        raise UsageError(f"SLURM_NODEID={_shown(node_id)} is not a node number; "
+        raise UsageError(f"SLURM_NODEID={quoted(node_id)} is not a node number; "
                          "give --node-rank and --rdzv-endpoint HOST:PORT instead")
     try:
         hosts = hostnames(nodelist)
     except ValueError as exc:
-        raise UsageError(f"SLURM_JOB_NODELIST={_shown(nodelist)} cannot be expanded: {exc}; "
+        raise UsageError(f"SLURM_JOB_NODELIST={quoted(nodelist)} cannot be expanded: {exc}; "
                          "give --rdzv-endpoint HOST:PORT instead") from None
     if not hosts:
         return None
