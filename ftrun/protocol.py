@@ -32,6 +32,7 @@ READY = "ready"  # a joiner (spare or respawned worker) waits to be placed: {uid
 PROGRESS = "progress"  # a step committed: {gen, step, time, step_time}; told as PROGRESS_FIRST/EVERY say
 ENTERED = "entered"  # the first collective of a step started: {step}
 FINISHED = "finished"  # the worker left the step loop: no more progress is to be expected; {step}
+LEFT = "left"  # the worker left the step loop before its end (a break, an exception): in no collective; {step}
 RECOVERED = "recovered"  # the worker finished recovery for a generation: {gen, step, held, timings}
 SAVED = "saved"  # the worker wrote its state (for a restart, or a next launch): {step}, or {step, error} if it could not
 UNRECOVERABLE = "unrecoverable"  # the new generation cannot recover in place (a shard in no memory): {reason}
@@ -250,6 +251,7 @@ FROM_WORKER: dict[str, dict[str, Check]] = {
     PROGRESS: {"gen": is_int, "step": is_int, "time": is_number, "step_time": is_number},
     ENTERED: {"step": is_int},
     FINISHED: {"step": is_int},
+    LEFT: {"step": is_int},
     RECOVERED: {"gen": is_int, "step": is_int, "held": is_int, "timings": _timings, "plan_received": is_number},
     SAVED: {"step": is_int},
     UNRECOVERABLE: {"gen": is_int, "reason": is_text},

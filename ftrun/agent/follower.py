@@ -147,7 +147,7 @@ class Follower:
         elif kind == protocol.ENTERED:
             self.watchdog.entered(uid, message["step"])
             return  # node-local: only the watchdog needs it
-        elif kind == protocol.FINISHED:
+        elif kind in (protocol.FINISHED, protocol.LEFT):
             self.watchdog.finished(uid)
             if message["step"] >= 0:
                 self.last_step[uid] = message["step"]

@@ -141,10 +141,11 @@ class Leader:
         elif kind == protocol.ENTERED:
             if watchdog:
                 watchdog.entered(uid, message["step"])
-        elif kind == protocol.FINISHED:
+        elif kind in (protocol.FINISHED, protocol.LEFT):
             if watchdog:
                 watchdog.finished(uid)
-            m.left_loop.add(uid)
+            if kind == protocol.FINISHED:
+                m.left_loop.add(uid)
             if message["step"] >= 0:
                 m.last_step[uid] = message["step"]
             if self.recovery is not None and self.recovery.kind == "join":

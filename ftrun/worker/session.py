@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import operator
 import os
 import sys
 import threading
@@ -35,7 +36,7 @@ from ftrun.worker.redundancy import Rebuild, Redundancy, is_sharded, refresh_int
 from ftrun.worker.shards import Choice, Holding, choose
 from ftrun.worker.stack_dumps import answer_stack_dump_requests
 from ftrun.worker.steps import CollectiveFailed, StepCollectives
-from ftrun.worker.state import Stateful, best_rescue, load_into, save_rescue, snapshot
+from ftrun.worker.state import Stateful, best_rescue, load_into, save_rescue, snapshot, state_of
 
 INVALID_STEP = -2  # a rank whose state is not a committed one (a joiner, or a transfer that broke off): always behind
 
@@ -88,10 +89,12 @@ class Session:
         self.progress: ProgressNotice | None = None
         self.collectives = StepCollectives(self._cond, self._entered)
         self._ddps = DdpModels(self.collectives)
+        self._began = False  # steps() was called: what is protected is what a rank behind will take
+        self._in_step = False  # a step of steps() runs: commit() has a step to commit
+        self.planes: Planes | None = None
         atexit.register(self._shut_down)
         if not self.managed:  # torch's own error handling: a failed collective ends the process, torchrun restarts
             dist.init_process_group(self.backend, timeout=timeout, **backends.init_options(self.backend))
-            self.planes = None
             return
         backends.prepare(self.backend)
         self.store = open_client(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=300)
@@ -145,8 +148,17 @@ class Session:
         (``fully_shard`` over the default group, a new optimizer) and returns them by the names given here;
         after a recovery :attr:`protected` holds them.
         """
+        if self._began:
+            raise RuntimeError("ftrun: protect() every object before steps(): a rank that is behind takes what was "
+                               "protected when the loop began")
+        states = {name: state_of(name, obj) for name, obj in objects.items()}
+        sharded = any(is_sharded(t) for state in states.values() for _, t in transfer.leaves(state))
+        for name, state in states.items() if not sharded else ():
+            problem = transfer.unsendable(state)
+            if problem is not None:
+                raise TypeError(f"ftrun: protect({name}=...): no peer could take its state: {problem}")
         self.protected.update(objects)
-        if not any(is_sharded(t) for obj in objects.values() for _, t in transfer.leaves(obj.state_dict())):
+        if not sharded:
             return
         if rebuild is None:
             raise ValueError("ftrun: protect() of sharded (FSDP2) state needs rebuild=, a function that builds "
@@ -172,38 +184,60 @@ class Session:
             self.collectives.fail()
 
     def steps(self, total: int) -> Iterator[int]:
-        """Yield step numbers up to ``total``; after a fault, the first uncommitted step comes again."""
+        """Yield step numbers from the one after the last committed up to ``total`` (the run's steps: called
+        again, it goes on from there); after a fault, the first uncommitted step comes again."""
+        try:
+            total = operator.index(total)
+        except TypeError:
+            raise TypeError(f"ftrun: steps() takes a whole number of steps, not {total!r:.40}") from None
+        first, self._began = not self._began, True
+        return self._steps(total, first)
+
+    def _steps(self, total: int, first: bool) -> Iterator[int]:
         if not self.managed:
-            for step in range(total):
+            for step in range(self.committed_step + 1, total):
                 self._step = step
                 self.collectives.begin()
-                yield step
+                yield from self._run_step(step)
             return
-        if self.spare:
+        if first and self.spare:
             self.channel.send(protocol.READY, uid=self.uid)
             self._recover()
-        else:
+        elif first:
             self._restore_rescue()
             self._start_together()
             self._refresh()
         step = self.committed_step + 1
-        while step < total:
-            if self._needs_recovery():
-                self._recover()
-                step = self.committed_step + 1
-                continue
-            self._step = step
-            self.collectives.begin()
-            self._step_started = time.monotonic()
-            self._drills.at_step()
-            yield step
-            if self.committed_step == step:
-                step += 1
-            elif not self._needs_recovery():
-                raise RuntimeError("ftrun: call commit(optimizer) once in every step of steps()")
+        try:
+            while step < total:
+                if self._needs_recovery():
+                    self._recover()
+                    step = self.committed_step + 1
+                    continue
+                self._step = step
+                self.collectives.begin()
+                self._step_started = time.monotonic()
+                self._drills.at_step()
+                yield from self._run_step(step)
+                if self.committed_step == step:
+                    step += 1
+                elif not self._needs_recovery():
+                    raise RuntimeError("ftrun: call commit(optimizer) once in every step of steps()")
+        except GeneratorExit:  # the script left the loop (a break, an exception): it waits in no collective
+            self.entered.left()
+            self.channel.send(protocol.LEFT, step=self.committed_step)
+            raise
         if self.redundancy is not None:
             self.redundancy.wait()  # the copy of the last step: no thread left in a collective at exit
         self.channel.send(protocol.FINISHED, step=self.committed_step)
+
+    def _run_step(self, step: int) -> Iterator[int]:
+        """Hand ``step`` to the script's loop body, during which :meth:`commit` may commit it."""
+        self._in_step = True
+        try:
+            yield step
+        finally:
+            self._in_step = False
 
     def backward(self, loss: torch.Tensor, scale: float = 1.0) -> None:
         """``loss.backward()`` (of ``loss * scale``), with the sum of ``loss`` over the ranks started beside it
@@ -220,6 +254,8 @@ class Session:
         reading the summed ``loss`` waits for the step's collectives to end, so that a failure the backend's
         watchdog recorded meanwhile is seen here (:func:`~ftrun.worker.backends.async_error`).
         """
+        if not self._in_step:
+            raise RuntimeError("ftrun: commit() commits a step of steps(): call it inside the loop")
         ok, total = self.collectives.finish(loss, self._loss_group, self._backend_error)
         if self.entered is not None:
             self.entered.left()
@@ -291,7 +327,7 @@ class Session:
             step = self.committed_step
             try:
                 save_rescue(self.protected, step, self._rescue_dir / f"{self.uid}.pt")
-            except (OSError, RuntimeError) as exc:
+            except Exception as exc:  # a full disk, or state pickle refuses: the agent waits for the answer
                 self.channel.send(protocol.SAVED, step=step, error=(str(exc).splitlines() or [repr(exc)])[0])
                 return
         self.channel.send(protocol.SAVED, step=step)
@@ -475,7 +511,10 @@ class Session:
         the transfer breaks off, its state is marked invalid, so that it is behind in the next agreement.
         """
         if self.rank == source and behind:
-            transfer.send(snapshot(self.protected, best), behind, self._route())
+            try:
+                transfer.send(snapshot(self.protected, best), behind, self._route())
+            except transfer.UnsendableState as exc:
+                raise SystemExit(f"ftrun: cannot send the protected state to ranks {behind}: {exc}") from None
         elif self.rank in behind:
             with self._state_lock, _state_from(source):
                 self.committed_step = INVALID_STEP
@@ -543,4 +582,6 @@ def init(backend: str | None = None, timeout: timedelta = timedelta(minutes=30))
     global _session
     if _session is None:
         _session = Session(backend, timeout)
+    elif backend is not None and backend != _session.backend:
+        raise ValueError(f"ftrun: init({backend!r:.40}) after init() on {_session.backend!r}: a process joins once")
     return _session

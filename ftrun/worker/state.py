@@ -21,6 +21,20 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> Any: ...
 
 
+def state_of(name: str, obj: Any) -> dict[str, Any]:
+    """``obj.state_dict()``, as ``protect(name=obj)`` takes it; TypeError, naming it, where ``obj`` has no
+    ``state_dict()`` or ``load_state_dict()`` (a rank behind could not load it), or its state is not a dict."""
+    for method in ("state_dict", "load_state_dict"):
+        if not callable(getattr(obj, method, None)):
+            raise TypeError(f"ftrun: protect({name}=...): a {type(obj).__name__} has no {method}(): protect objects "
+                            "with state_dict() and load_state_dict() (a model, an optimizer, a scheduler), or wrap "
+                            "the state in one")
+    state = obj.state_dict()
+    if not isinstance(state, dict):
+        raise TypeError(f"ftrun: protect({name}=...): its state_dict() returns a {type(state).__name__}, not a dict")
+    return state
+
+
 def snapshot(objects: dict[str, Stateful], step: int) -> dict[str, Any]:
     """The committed step and every protected object's state (its live tensors, not copies)."""
     return {"step": step, "state": {name: obj.state_dict() for name, obj in objects.items()}}
@@ -28,10 +42,11 @@ def snapshot(objects: dict[str, Stateful], step: int) -> dict[str, Any]:
 
 def load_into(data: dict[str, Any], objects: dict[str, Stateful]) -> int:
     """Load a snapshot into the protected objects; returns the step it committed."""
-    missing = set(objects) - set(data["state"])
-    if missing:
-        raise RuntimeError(f"ftrun: the state to load (a peer's, or a rescue file's) holds none for {sorted(missing)}: "
-                           "every rank must protect the same names, and a resumed run those of the run that saved it")
+    missing, extra = set(objects) - set(data["state"]), set(data["state"]) - set(objects)
+    if missing or extra:
+        which = f"holds none for {sorted(missing)}" if missing else f"holds state for {sorted(extra)}, not protected here"
+        raise RuntimeError(f"ftrun: the state to load (a peer's, or a rescue file's) {which}: every rank must "
+                           "protect the same names, before steps(), and a resumed run those of the run that saved it")
     for name, obj in objects.items():
         obj.load_state_dict(data["state"][name])
     return int(data["step"])

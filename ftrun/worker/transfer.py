@@ -45,6 +45,10 @@ class MalformedState(RuntimeError):
     """What a peer sent is not state this worker can load (bytes that do not load, or do not describe tensors)."""
 
 
+class UnsendableState(TypeError):
+    """Protected state that cannot be sent: pickle refuses part of it (a function, a lock, an open file)."""
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """A referenced tensor: where it is in the state, and its layout."""
@@ -124,8 +128,25 @@ def manifest(state: Any) -> tuple[bytes, list[TensorSpec], list[torch.Tensor]]:
 
     skeleton = replace_leaves(state, swap)
     buffer = io.BytesIO()
-    torch.save({"skeleton": skeleton, "specs": [(s.path, s.dtype, s.shape, s.device_type) for s in specs]}, buffer)
+    try:
+        torch.save({"skeleton": skeleton, "specs": [(s.path, s.dtype, s.shape, s.device_type) for s in specs]}, buffer)
+    except Exception as exc:  # what pickle refuses in the state: PicklingError, TypeError, AttributeError
+        raise UnsendableState(f"{type(exc).__name__}: {_reason(exc)}") from None
     return buffer.getvalue(), specs, tensors
+
+
+def unsendable(state: Any) -> str | None:
+    """Why no peer could take ``state`` (None when one could): pickle refuses part of it, or torch loads it back
+    only by running code (a type not allowed by name)."""
+    try:
+        data = manifest(state)[0]
+    except UnsendableState as exc:
+        return str(exc)
+    try:
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as exc:  # what the weights-only unpickler refuses
+        return f"{_reason(exc)}; allow its types by name with torch.serialization.add_safe_globals first"
+    return None
 
 
 def read_manifest(data: bytes) -> tuple[Any, list[TensorSpec]]:

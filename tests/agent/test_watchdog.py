@@ -78,3 +78,20 @@ def test_a_rank_asleep_in_its_own_code_is_dumped_killed_and_the_survivors_recove
     assert hang["silent_for"] >= 3, why
     dump = run.stderr[run.stderr.index("most recent call first"):]  # faulthandler's, of the sleeping worker
     assert re.search(r'File ".*faulty_train\.py", line \d+ in plant\n', dump), why
+
+
+def test_work_after_a_loop_left_mid_step_is_not_taken_for_a_hang(run_ftrun, workload, tmp_path):
+    """Both workers break out of ft.steps() at step 5 with its collectives under way and the step uncommitted
+    (as on a NaN loss), then work for 8 s, past the 3 s hang timeout: leaving the loop tells the agent they wait
+    in no collective, so nothing is killed or re-formed, the job succeeds, and the summary counts the 5 steps
+    committed (0-4)."""
+    logs = tmp_path / "logs"
+    result = run_ftrun("--nproc-per-node", "2", "--hang-timeout", "3", "--log-dir", logs, workload("break_early.py"),
+                       timeout=TIMEOUT)
+    run = read_run(result, logs)
+    why = run.explain()
+    assert result.returncode == 0, why
+    assert not run.of("hang") and not run.of("fault") and not run.of("recovery"), why
+    assert "re-forming" not in run.stderr and "recovering in place" not in run.stderr, why
+    assert run.stdout.count("after the loop: committed 4") == 2, why
+    assert re.search(r"^ftrun: succeeded: 5 steps in \S+ s, no fault", run.stderr, re.M), why
