@@ -12,6 +12,8 @@ import uuid
 from pathlib import Path
 
 from ftrun.errors import UsageError
+from ftrun.health.devices import listed_gpus
+from ftrun.health.nvml import gpu_count
 from ftrun.launcher.hosts import MAX_WORKERS_PER_NODE, Host, parse_host_list, read_hostfile
 from ftrun.paths import is_dir, is_file
 from ftrun.protocol import MAX_SECONDS, is_duration
@@ -49,11 +51,11 @@ def resolve_nproc(value: str | None) -> int:
     whose default is 1.
     """
     if value is None or value == "":
-        return visible_gpu_count() or 1
+        return _gpu_workers(visible_gpu_count()) or 1
     if value == "cpu":
         return os.cpu_count() or 1
     if value in ("gpu", "auto"):
-        gpus = visible_gpu_count()
+        gpus = _gpu_workers(visible_gpu_count())
         if gpus:
             return gpus
         if value == "gpu":
@@ -68,20 +70,18 @@ def resolve_nproc(value: str | None) -> int:
 
 
 def visible_gpu_count() -> int:
-    """Count the GPUs this process may use, through NVML and CUDA_VISIBLE_DEVICES; 0 without NVML."""
+    """Count the GPUs this process may use: those CUDA_VISIBLE_DEVICES lists where it is set, else NVML's; 0
+    without NVML."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
-    try:
-        import pynvml
+    return listed_gpus(visible) if visible is not None else gpu_count()
 
-        pynvml.nvmlInit()
-        try:
-            return int(pynvml.nvmlDeviceGetCount())
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # NVML missing, no driver, no GPU: all mean "no GPU here"
-        return 0
+
+def _gpu_workers(gpus: int) -> int:
+    """One worker per visible GPU, within what one node may run."""
+    if gpus > MAX_WORKERS_PER_NODE:
+        raise UsageError(f"{gpus} GPUs are visible (CUDA_VISIBLE_DEVICES), more than the {MAX_WORKERS_PER_NODE} "
+                         "workers one node may run: give --nproc-per-node")
+    return gpus
 
 
 def spares_refusal(nproc: int, spares: int, gpus: int) -> str | None:

@@ -123,6 +123,14 @@ def test_a_secret_file_that_is_a_fifo_is_refused_in_one_line_rather_than_waited_
         "file; give the file that holds the run's secret\n", result.stderr
 
 
+def test_more_visible_gpus_than_one_node_may_run_workers_is_one_line_not_as_many_workers(run_ftrun):
+    many = ",".join(map(str, range(2000)))
+    for args in ((), ("--nproc-per-node", "gpu")):
+        result = run_ftrun(*args, EXAMPLE, env={"CUDA_VISIBLE_DEVICES": many})
+        assert result.returncode == 2 and result.stderr == "ftrun: error: 2000 GPUs are visible (CUDA_VISIBLE_DEVICES), " \
+            "more than the 1024 workers one node may run: give --nproc-per-node\n", result.stderr
+
+
 def test_spares_that_would_share_the_training_workers_gpus_are_one_line_and_exit_2(run_ftrun):
     result = run_ftrun("--nproc-per-node", 2, "--spares", 1, EXAMPLE, env={"CUDA_VISIBLE_DEVICES": "0,1"})
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr

@@ -26,6 +26,8 @@ from ftrun.health.signals import SIGNAL_KINDS, Action, Decision, HealthSignal
 if TYPE_CHECKING:
     from ftrun.agent.workers import Worker
 
+DRAIN_BATCH = 64
+"""Signals the loop handles per wake-up: a flood of them must not keep it from its workers."""
 _STYLES = {Action.IGNORE: "dim", Action.RESTART_RANK: "bold yellow", Action.EVICT_GPU: "bold yellow",
            Action.EVICT_NODE: "bold red"}
 
@@ -109,18 +111,22 @@ class GpuHealth:
             pass  # the pipe is full: the loop is already due to wake and drains the whole queue
 
     def drain(self) -> None:
-        """Loop thread, when the wake pipe is readable: handle every queued signal, oldest first."""
+        """Loop thread, when the wake pipe is readable: handle the queued signals, oldest first, at most
+        :data:`DRAIN_BATCH` of them; with more queued, the pipe is left readable, so that the loop serves its
+        workers and comes back."""
         try:
             while os.read(self._wake_r, 4096):
                 pass
         except BlockingIOError:
             pass
-        while True:
+        for _ in range(DRAIN_BATCH):
             try:
                 health = self._queue.get_nowait()
             except queue.Empty:
                 return
             self.handle(health, source="nvml")
+        if not self._queue.empty():
+            os.write(self._wake_w, b"\0")
 
     # ------------------------------------------------------------- mapping
     def gpu_of(self, local_rank: int) -> int | None:

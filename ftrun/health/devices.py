@@ -39,6 +39,23 @@ def visible_gpus(cuda_visible_devices: str | None, uuids: list[str]) -> dict[int
     return mapping
 
 
+def listed_gpus(cuda_visible_devices: str) -> int:
+    """How many GPUs ``CUDA_VISIBLE_DEVICES`` lists, read as :func:`visible_gpus` reads it but without NVML to
+    look them up: the entries (indices, ``GPU-``/``MIG-`` UUIDs) before the first that is neither (``-1``,
+    ``none``, ``void``...) or repeats one before it."""
+    seen: list[str] = []
+    for entry in cuda_visible_devices.split(","):
+        entry = entry.strip().lower()
+        if entry.isascii() and entry.isdigit():
+            entry = entry.lstrip("0") or "0"
+        elif not (entry.startswith(("gpu-", "mig-")) and len(entry) > 4):
+            break
+        if entry in seen:
+            break
+        seen.append(entry)
+    return len(seen)
+
+
 def describe_device(nvml: Any, handle: Any, *, index: int, local_rank: int, lost: bool) -> dict[str, Any]:
     """One GPU as a dict for a status display; values NVML cannot give (or a lost GPU) are None.
 
@@ -49,7 +66,7 @@ def describe_device(nvml: Any, handle: Any, *, index: int, local_rank: int, lost
     def query(name: str, *args: Any) -> Any:
         try:
             return getattr(nvml, name)(handle, *args) if ok else None
-        except (nvml.NVMLError, AttributeError):
+        except Exception:  # NVMLError, a function this pynvml lacks, or a library that fails otherwise
             return None
 
     def const(name: str) -> Any:

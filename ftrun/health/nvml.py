@@ -15,18 +15,55 @@ from ftrun.health.signals import HealthSignal
 
 log = logging.getLogger("ftrun.health")
 
+START_TIMEOUT = 60.0
+"""Seconds NVML has to initialise and list the GPUs (several per GPU without persistence mode): past them, a
+driver that hangs (a GPU fallen off the bus) leaves monitoring off rather than the job not starting."""
+REPEAT_WINDOW = 1.0
+"""Seconds within which a signal the same as the last one reported (GPU, kind, value) is counted, not reported
+again: a driver that floods one Xid would otherwise flood the agent, its console and its event log."""
+MAX_REMEMBERED = 4096
+"""Signals whose last report is remembered for :data:`REPEAT_WINDOW` (more are forgotten together)."""
+MAX_EVENT_RATE = 1000
+"""NVML events read per second at most; more wait in the driver's queue (which the driver bounds)."""
+
 _UNSET: Any = object()
 _FAILED: Any = object()
+_EVENT, _NO_EVENT = "event", "no event"
+
+
+def gpu_count(timeout: float = START_TIMEOUT) -> int:
+    """How many GPUs NVML lists: 0 without NVML (no library, no driver, no GPU), or when it does not answer
+    within ``timeout`` seconds (a driver that hangs)."""
+    counted: list[int] = []
+
+    def count() -> None:
+        try:
+            nvml = importlib.import_module("pynvml")
+            nvml.nvmlInit()
+            try:
+                counted.append(max(0, int(nvml.nvmlDeviceGetCount())))
+            finally:
+                nvml.nvmlShutdown()
+        except Exception:  # NVML missing, no driver, no GPU: all mean "no GPU here"
+            pass
+
+    thread = threading.Thread(target=count, name="ftrun-gpu-count", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return counted[0] if counted else 0
 
 
 class NvmlMonitor:
     """Reports GPU health changes of this node's visible GPUs to ``on_signal``.
 
-    One per agent: ``start`` calls ``nvmlInit`` once and starts one background thread
-    that waits for Xid and double-bit ECC events (``event_timeout`` seconds at a
-    time, so that ``stop`` is prompt) and, every ``poll_interval`` seconds, reads the
-    volatile uncorrected ECC count, the row remapping flags and the driver's GPU
-    recovery action.  Each Xid event is reported; polled values are reported when
+    One per agent: ``start`` starts one background thread, the only one that calls
+    NVML (a call that hangs holds no other thread), which calls ``nvmlInit`` once,
+    waits for Xid and double-bit ECC events (``event_timeout`` seconds at a time,
+    so that ``stop`` is prompt) and, every ``poll_interval`` seconds, reads the
+    volatile uncorrected ECC count, the row remapping flags, the driver's GPU
+    recovery action and what :meth:`describe_devices` shows.  Each Xid event is
+    reported (a repeat of the last report within :data:`REPEAT_WINDOW` is counted
+    into the next one instead); polled values are reported when
     they change (ECC counts when they rise above the count seen at start, also read
     at once on a double-bit ECC event; flags and the recovery action when they
     differ from their healthy 0, including at start).  A
@@ -62,8 +99,11 @@ class NvmlMonitor:
         self._unsupported: set[tuple[int, str]] = set()
         self._lost: set[int] = set()
         self._logged: set[tuple[Any, ...]] = set()
-        self._lock = threading.RLock()
+        self._devices: list[dict[str, Any]] = []  # what describe_devices() shows, as the last poll read it
+        self._last: dict[tuple[int, str, int], tuple[float, int]] = {}  # a signal's last report, repeats since
         self._stop = threading.Event()
+        self._started = threading.Event()
+        self._start_error: str | None = None
         self._thread: threading.Thread | None = None
 
     @property
@@ -72,30 +112,25 @@ class NvmlMonitor:
         return dict(self._ranks)
 
     def start(self) -> bool:
-        """Initialise NVML and start watching; False (after one log line) when NVML is unusable."""
+        """Start watching once NVML is initialised and the GPUs listed (on the monitor's thread, within
+        :data:`START_TIMEOUT`); False (after one log line) when NVML is unusable or does not answer."""
         if self._thread is not None:
             return True
         try:
             nvml = importlib.import_module("pynvml")
         except ImportError as exc:
             return self._unavailable(f"cannot import pynvml: {exc}")
-        try:
-            nvml.nvmlInit()
-        except Exception as exc:  # NVMLError, or OSError from a broken library
-            return self._unavailable(f"nvmlInit failed: {exc}")
-        self._nvml = nvml
-        try:
-            self._open_devices()
-        except Exception as exc:
-            self._shutdown()
-            return self._unavailable(f"cannot list GPUs: {exc}")
-        if not self._ranks:
-            self._shutdown()
-            return self._unavailable(f"no GPU is visible (CUDA_VISIBLE_DEVICES={self._cvd!r})")
-        self._register_events()
         self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="ftrun-nvml-monitor", daemon=True)
-        self._thread.start()
+        self._started.clear()
+        thread = threading.Thread(target=self._run, args=(nvml,), name="ftrun-nvml-monitor", daemon=True)
+        thread.start()
+        if not self._started.wait(START_TIMEOUT):
+            self._stop.set()  # should NVML ever answer, the thread shuts it down and ends
+            return self._unavailable(f"NVML did not answer within {START_TIMEOUT:g} s")
+        if self._start_error is not None:
+            thread.join()
+            return self._unavailable(self._start_error)
+        self._thread = thread
         return True
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -106,19 +141,18 @@ class NvmlMonitor:
             thread.join(timeout)
 
     def poll(self) -> None:
-        """Read every watched GPU's polled values once and report what changed."""
-        with self._lock:
-            for gpu in sorted(self._ranks):
-                if self._nvml is None or self._stop.is_set():
-                    return
-                if self._handles.get(gpu) is None:
-                    self._lose(gpu, "no NVML handle at start")
-                    continue
-                self._check_ecc(gpu)
-                self._check_remap(gpu)
-                self._check_recovery(gpu)
-                if all((gpu, f) in self._unsupported for f in ("ecc", "remap", "recovery")):
-                    self._call(gpu, "probe", "nvmlDeviceGetTemperature", self._nvml.NVML_TEMPERATURE_GPU)
+        """Read every watched GPU's polled values once and report what changed (the monitor's thread)."""
+        for gpu in sorted(self._ranks):
+            if self._nvml is None or self._stop.is_set():
+                return
+            if self._handles.get(gpu) is None:
+                self._lose(gpu, "no NVML handle at start")
+                continue
+            for check in (self._check_ecc, self._check_remap, self._check_recovery):
+                self._guarded(check, gpu)
+            if all((gpu, f) in self._unsupported for f in ("ecc", "remap", "recovery")):
+                self._call(gpu, "probe", "nvmlDeviceGetTemperature", self._nvml.NVML_TEMPERATURE_GPU)
+        self._devices = self._describe()
 
     @property
     def event_gpus(self) -> list[int]:
@@ -131,21 +165,20 @@ class NvmlMonitor:
         """
         fields = (("ecc_uncorrected_volatile", "ecc", "ecc"), ("row_remap_pending", "remap", "row_remap_pending"),
                   ("row_remap_failure", "remap", "row_remap_failure"), ("recovery_action", "recovery", "recovery_action"))
-        with self._lock:
-            return {
-                gpu: {name: "lost" if gpu in self._lost else "unsupported" if (gpu, feature) in self._unsupported
-                      else self._state.get((gpu, key)) for name, feature, key in fields}
-                for gpu in sorted(self._ranks)
-            }
+        return {
+            gpu: {name: "lost" if gpu in self._lost else "unsupported" if (gpu, feature) in self._unsupported
+                  else self._state.get((gpu, key)) for name, feature, key in fields}
+            for gpu in sorted(self._ranks)
+        }
 
     def describe_devices(self) -> list[dict[str, Any]]:
-        """One dict per watched GPU for a status display; values NVML cannot give are None."""
-        with self._lock:
-            return [
-                describe_device(self._nvml, self._handles.get(gpu), index=gpu,
-                                local_rank=self._ranks[gpu], lost=gpu in self._lost)
-                for gpu in sorted(self._ranks)
-            ]
+        """One dict per watched GPU for a status display, as the last poll read it (it calls no NVML itself:
+        a call that hangs would hold the caller); values NVML cannot give are None."""
+        return self._devices
+
+    def _describe(self) -> list[dict[str, Any]]:
+        return [describe_device(self._nvml, self._handles.get(gpu), index=gpu, local_rank=self._ranks[gpu],
+                                lost=gpu in self._lost) for gpu in sorted(self._ranks)]
 
     # -- setup and the thread -------------------------------------------------------
 
@@ -170,12 +203,30 @@ class NvmlMonitor:
         self._handles = {gpu: handles[gpu] for gpu in self._ranks}
         self._by_key = {handle_key(h): gpu for gpu, h in self._handles.items() if h is not None}
 
+    def _open(self, nvml: Any) -> str | None:
+        """Initialise NVML, list the watched GPUs, register for their events and describe them: why NVML is
+        unusable, or None."""
+        try:
+            nvml.nvmlInit()
+        except Exception as exc:  # NVMLError, or OSError from a broken library
+            return f"nvmlInit failed: {exc}"
+        self._nvml = nvml
+        try:
+            self._open_devices()
+        except Exception as exc:
+            return f"cannot list GPUs: {exc}"
+        if not self._ranks:
+            return f"no GPU is visible (CUDA_VISIBLE_DEVICES={self._cvd!r})"
+        self._register_events()
+        self._devices = self._describe()
+        return None
+
     def _register_events(self) -> None:
         nvml = self._nvml
-        wanted = nvml.nvmlEventTypeXidCriticalError | getattr(nvml, "nvmlEventTypeDoubleBitEccError", 0)
         try:
+            wanted = nvml.nvmlEventTypeXidCriticalError | getattr(nvml, "nvmlEventTypeDoubleBitEccError", 0)
             event_set = nvml.nvmlEventSetCreate()
-        except nvml.NVMLError as exc:
+        except Exception as exc:  # NVMLError, or a library of another shape
             log.info("GPU health: no NVML events (%s); polling only", exc)
             return
         self._event_gpus = []
@@ -189,21 +240,39 @@ class NvmlMonitor:
         else:
             _quietly(nvml.nvmlEventSetFree, event_set)
 
-    def _run(self) -> None:
+    def _run(self, nvml: Any) -> None:
         try:
-            next_poll = time.monotonic()
-            while not self._stop.is_set():
-                if time.monotonic() >= next_poll:
-                    self.poll()
-                    next_poll = time.monotonic() + self.poll_interval
-                wait = max(0.001, min(self.event_timeout, next_poll - time.monotonic()))
-                if self._event_set is None:
-                    self._stop.wait(wait)
-                else:
-                    self._wait_event(wait)
+            self._start_error = self._open(nvml)
+            self._started.set()
+            if self._start_error is None:
+                self._watch()
+        except Exception as exc:  # NVML's answers of another shape than its own: monitoring ends, in one line
+            self._log_once(("monitor",), f"GPU health monitoring stopped: {type(exc).__name__}: {exc}")
         finally:
-            with self._lock:
-                self._shutdown()
+            self._shutdown()
+            self._started.set()
+
+    def _watch(self) -> None:
+        """Poll every ``poll_interval`` s; between polls wait for events, each wait its whole time even where
+        NVML answers at once (no event, or a GPU lost), and read at most MAX_EVENT_RATE events a second."""
+        next_poll = time.monotonic()
+        second, events = time.monotonic(), 0
+        while not self._stop.is_set():
+            if time.monotonic() >= next_poll:
+                self.poll()
+                next_poll = time.monotonic() + self.poll_interval
+            wait = max(0.001, min(self.event_timeout, next_poll - time.monotonic()))
+            began = time.monotonic()
+            outcome = self._wait_event(wait) if self._event_set is not None else _NO_EVENT
+            if outcome is _EVENT:
+                events = events + 1 if began - second < 1.0 else 1
+                second = second if began - second < 1.0 else began
+                if events >= MAX_EVENT_RATE:
+                    self._stop.wait(max(0.0, second + 1.0 - time.monotonic()))
+                continue
+            if outcome is not _NO_EVENT:  # a GPU is lost: find out which at the next poll, not at once
+                next_poll = min(next_poll, time.monotonic())
+            self._stop.wait(max(0.0, wait - (time.monotonic() - began)))
 
     def _shutdown(self) -> None:
         nvml, self._nvml = self._nvml, None
@@ -212,30 +281,39 @@ class NvmlMonitor:
                 _quietly(nvml.nvmlEventSetFree, self._event_set)
             _quietly(nvml.nvmlShutdown)
         self._event_set = None
+        self._devices = self._describe()  # as the GPUs are no longer watched: unknown values
 
-    def _wait_event(self, timeout: float) -> None:
+    def _wait_event(self, timeout: float) -> str:
+        """Wait up to ``timeout`` s for one event and report it: _EVENT, _NO_EVENT, or "lost"."""
         nvml = self._nvml
         try:
             data = nvml.nvmlEventSetWait(self._event_set, max(1, int(timeout * 1000)))
-        except nvml.NVMLError_Timeout:
-            return
-        except nvml.NVMLError_GpuIsLost:
-            self.poll()  # find out which GPU
-            return
-        except nvml.NVMLError as exc:
-            self._log_once(("wait", str(exc)), f"GPU health: waiting for NVML events failed: {exc}")
-            self._stop.wait(timeout)
-            return
-        with self._lock:
             gpu = self._by_key.get(handle_key(data.device))
-            if gpu is None:
-                return
-            if data.eventType & nvml.nvmlEventTypeXidCriticalError:
-                self._emit("xid", gpu, int(data.eventData), f"Xid {int(data.eventData)} reported by the driver")
-            elif (gpu, "ecc") in self._unsupported:
-                self._emit("ecc_uncorrected", gpu, 1, "double-bit ECC error event")
-            else:
-                self._check_ecc(gpu)
+            kind, code = int(data.eventType), int(data.eventData)
+        except nvml.NVMLError_Timeout:
+            return _NO_EVENT
+        except nvml.NVMLError_GpuIsLost:
+            return "lost"
+        except Exception as exc:  # NVMLError, or an answer of another shape
+            self._log_once(("wait", str(exc)), f"GPU health: waiting for NVML events failed: {exc}")
+            return _NO_EVENT
+        if gpu is None:
+            return _EVENT
+        if kind & nvml.nvmlEventTypeXidCriticalError:
+            self._emit("xid", gpu, code, f"Xid {code} reported by the driver")
+        elif (gpu, "ecc") in self._unsupported:
+            self._emit("ecc_uncorrected", gpu, 1, "double-bit ECC error event")
+        else:
+            self._guarded(self._check_ecc, gpu)
+        return _EVENT
+
+    def _guarded(self, check: Callable[[int], None], gpu: int) -> None:
+        """``check(gpu)``; an answer of another shape than NVML's (None, a short tuple) counts as a failed call."""
+        try:
+            check(gpu)
+        except Exception as exc:
+            self._log_once((gpu, check.__name__), f"GPU {gpu}: NVML's answer to {check.__name__[7:]} is not one "
+                                                  f"it gives ({type(exc).__name__}: {exc})")
 
     # -- polled values --------------------------------------------------------------
 
@@ -290,7 +368,7 @@ class NvmlMonitor:
             self._lose(gpu, f"{name} failed")
         except (nvml.NVMLError_NotSupported, nvml.NVMLError_FunctionNotFound, AttributeError):
             self._unsupported.add((gpu, feature))
-        except nvml.NVMLError as exc:
+        except Exception as exc:  # NVMLError, or OSError from a broken library
             self._log_once((gpu, name, str(exc)), f"GPU {gpu}: {name} failed: {exc}")
         return _FAILED
 
@@ -300,6 +378,16 @@ class NvmlMonitor:
             self._emit("gpu_lost", gpu, 1, f"NVML reports the GPU is lost ({detail})")
 
     def _emit(self, kind: str, gpu: int, value: int, detail: str) -> None:
+        key, now = (gpu, kind, value), time.monotonic()
+        last, repeats = self._last.get(key, (-REPEAT_WINDOW, 0))
+        if now - last < REPEAT_WINDOW:
+            self._last[key] = (last, repeats + 1)
+            return
+        if len(self._last) >= MAX_REMEMBERED:
+            self._last.clear()
+        self._last[key] = (now, 0)
+        if repeats:
+            detail = f"{detail} (repeated {repeats:,} times since its last report)"
         rank = self._ranks.get(gpu)
         signal = HealthSignal(kind, gpu, value, detail, self._clock(), rank)
         log.info("GPU %d (local rank %s): %s %d: %s", gpu, rank, kind, value, detail)

@@ -23,7 +23,7 @@ from types import ModuleType, SimpleNamespace
 import pytest
 
 from conftest import ROOT
-from ftrun.agent.gpu_health import GpuHealth
+from ftrun.agent.gpu_health import DRAIN_BATCH, GpuHealth
 from ftrun.event_log import read_events
 from ftrun.events import EventLog
 from ftrun.health.nvml import NvmlMonitor
@@ -270,6 +270,23 @@ def test_a_monitor_signal_is_acted_on_by_the_loop_thread(fake_nvml, health_for, 
     assert (event["kind"], event["gpu"], event["local_rank"], event["value"], event["action"], event["source"],
             event["pids"]) == ("xid", 2, 1, 48, "evict_gpu", "nvml", [victim.pid])
     assert agent.notices == ["ftrun: GPU health: GPU 2: Xid 48 (double-bit ECC error) -> evict_gpu"]
+
+
+@pytest.mark.fast
+def test_a_burst_of_signals_is_handled_a_batch_per_wake_up_so_the_loop_serves_its_workers_between(fake_nvml,
+                                                                                                   health_for):
+    health, agent = health_for(nproc=2)
+    for code in range(1000, 1000 + 3 * DRAIN_BATCH):  # distinct unknown Xids: each reported, each ignored
+        fake_nvml.inject_xid(0, code)
+    handled = 0
+    while handled < 3 * DRAIN_BATCH:
+        assert [key.data for key, _ in agent.selector.select(10)] == ["gpu"], f"{handled} handled, then silence"
+        health.drain()
+        now = len(agent.logged())
+        assert now - handled <= DRAIN_BATCH
+        handled = now
+    assert [e["value"] for e in agent.logged()] == list(range(1000, 1000 + 3 * DRAIN_BATCH))
+    assert {e["action"] for e in agent.logged()} == {"ignore"}
 
 
 @pytest.mark.fast

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import re
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import pytest
 
-from ftrun.health.devices import visible_gpus
+from ftrun.health import nvml as nvml_module
+from ftrun.health.devices import listed_gpus, visible_gpus
 from ftrun.health.nvml import NvmlMonitor
 from ftrun.health.policy import decide
 from ftrun.health.signals import Action, HealthSignal
@@ -291,3 +294,115 @@ def test_no_visible_gpu(nvml, monitor_for, caplog) -> None:
 def test_visible_gpus(cvd: str | None, expected: dict[int, int]) -> None:
     uuids = ["GPU-aaaa0000", "GPU-bbbb1111", "GPU-cccc2222", "GPU-dddd3333"]
     assert visible_gpus(cvd, uuids) == expected
+
+
+# -- a driver that misbehaves: floods, hangs, answers of other shapes, waits that do not wait ----------------------
+
+def test_a_flood_of_one_xid_is_reported_once_a_window_then_with_its_count(nvml, monitor_for, monkeypatch) -> None:
+    """A driver that repeats one Xid without end (each wait answers at once) gets it reported once per
+    REPEAT_WINDOW, the repeats counted into the next report: not once per event, which flooded the agent's
+    queue, console and event log without bound."""
+    monkeypatch.setattr(nvml_module, "REPEAT_WINDOW", 3600.0)
+    monkeypatch.setattr(nvml_module, "MAX_EVENT_RATE", 10**9)
+
+    def flood(event_set, timeoutms):
+        nvml._enter("nvmlEventSetWait")
+        return SimpleNamespace(device=nvml.device(0), eventType=nvml.nvmlEventTypeXidCriticalError, eventData=43)
+
+    monkeypatch.setattr(nvml, "nvmlEventSetWait", flood)
+    monitor, recorder = monitor_for("0", poll_interval=3600)
+    assert monitor.start()
+    assert nvml.wait_calls("nvmlEventSetWait", 500, TIMEOUT)
+    assert [(s.kind, s.value, s.detail) for s in recorder.of("xid")] == [("xid", 43, "Xid 43 reported by the driver")]
+    monkeypatch.setattr(nvml_module, "REPEAT_WINDOW", 0.0)
+    again = recorder.wait_for(lambda s: "repeated" in s.detail, "the repeats' report")
+    assert re.fullmatch(r"Xid 43 reported by the driver \(repeated [\d,]+ times since its last report\)", again.detail)
+    assert int(re.search(r"[\d,]+", again.detail.split("repeated ")[1])[0].replace(",", "")) >= 499
+
+
+def test_a_hung_nvml_call_holds_only_the_monitors_thread(nvml, monitor_for, monkeypatch) -> None:
+    """A GPU fallen off the bus can make NVML calls hang: describe_devices() and readings(), which the agent's
+    loop calls for `ftrun status`, answer from what the monitor last read, whatever NVML does meanwhile."""
+    entered, release = threading.Event(), threading.Event()
+    reads = nvml.nvmlDeviceGetTemperature
+
+    def hang(handle, sensor):
+        if entered.is_set() or nvml.calls[ECC_CALL] >= 4:
+            entered.set()
+            release.wait(TIMEOUT)
+        return reads(handle, sensor)
+
+    monkeypatch.setattr(nvml, "nvmlDeviceGetTemperature", hang)
+    monitor, _ = monitor_for("0,1")
+    try:
+        assert monitor.start()
+        assert entered.wait(TIMEOUT), "the monitor never reached the call that hangs"
+        answers: list = []
+        reader = threading.Thread(target=lambda: answers.extend([monitor.describe_devices(), monitor.readings()]))
+        reader.start()
+        reader.join(TIMEOUT)
+        assert not reader.is_alive(), "a status read waited on the hung NVML call"
+        assert [d["temperature"] for d in answers[0]] == [40, 41] and sorted(answers[1]) == [0, 1]
+    finally:
+        release.set()
+
+
+def test_nvml_that_does_not_answer_at_start_leaves_monitoring_off_in_one_line(nvml, monitor_for, monkeypatch,
+                                                                              caplog) -> None:
+    release = threading.Event()
+    monkeypatch.setattr(nvml_module, "START_TIMEOUT", 0.2)
+    monkeypatch.setattr(nvml, "nvmlInit", lambda: release.wait(TIMEOUT))
+    monitor, _ = monitor_for("0")
+    try:
+        with caplog.at_level(logging.DEBUG, logger="ftrun.health"):
+            assert monitor.start() is False
+        assert [r.getMessage() for r in _health_records(caplog)] == [
+            "GPU health monitoring is off: NVML did not answer within 0.2 s"]
+        assert nvml_module.gpu_count(timeout=0.2) == 0  # the command line's count: no GPU, rather than no answer
+    finally:
+        release.set()
+
+
+def test_answers_of_another_shape_than_nvmls_cost_one_line_each_and_the_watch_goes_on(nvml, monitor_for, monkeypatch,
+                                                                                      caplog) -> None:
+    def broken(*args):
+        nvml._enter(ECC_CALL)
+        raise RuntimeError("driver exploded")
+
+    monkeypatch.setattr(nvml, ECC_CALL, broken)
+    monkeypatch.setattr(nvml, "nvmlDeviceGetRemappedRows", lambda handle: (0, 0))  # a 2-tuple, not 4
+    monkeypatch.setattr(nvml, "nvmlEventSetCreate", lambda: 1 / 0)
+    monitor, recorder = monitor_for("0")
+    with caplog.at_level(logging.DEBUG, logger="ftrun.health"):
+        assert monitor.start() and monitor.event_gpus == []  # no events: polling only
+        wait_more_polls(nvml, 3)
+        nvml.set_recovery_action(0, nvml.NVML_GPU_RECOVERY_ACTION_NODE_REBOOT)
+        recorder.wait_for(lambda s: s.kind == "recovery_action", "the recovery action, polled after both")
+    warnings = [r.getMessage() for r in _health_records(caplog) if r.levelno >= logging.WARNING]
+    assert len(warnings) == 2, warnings
+    assert "nvmlDeviceGetTotalEccErrors failed: driver exploded" in warnings[0]
+    assert "NVML's answer to remap is not one it gives (ValueError" in warnings[1]
+
+
+def test_a_wait_for_events_that_answers_at_once_still_waits_its_time(nvml, monitor_for, monkeypatch) -> None:
+    """NVML's event wait answering "timeout" (or "a GPU is lost") at once made the monitor spin a core."""
+    def at_once(event_set, timeoutms):
+        nvml._enter("nvmlEventSetWait")
+        raise nvml.NVMLError(nvml.NVML_ERROR_TIMEOUT)
+
+    monkeypatch.setattr(nvml, "nvmlEventSetWait", at_once)
+    monitor, _ = monitor_for("0", poll_interval=3600, event_timeout=0.05)
+    assert monitor.start()
+    assert nvml.wait_calls("nvmlEventSetWait", 1, TIMEOUT)
+    began = time.monotonic()
+    assert nvml.wait_calls("nvmlEventSetWait", 6, TIMEOUT)
+    assert time.monotonic() - began >= 5 * 0.05 * 0.9  # five more waits of 50 ms each, at the least
+
+
+@pytest.mark.parametrize(("cvd", "count"), [
+    ("0,1,2,3", 4), ("", 0), ("-1", 0), ("0,-1,1", 1), ("0,0", 1), ("00,0", 1), ("void", 0), ("none", 0),
+    ("NoDevFiles", 0), ("GPU-ab,GPU-cd", 2), ("MIG-x,0", 2), ("GPU-", 0), (" 2 , 3 ", 2), ("\u0663", 0),
+    ("0," * 1000, 1), (",".join(map(str, range(2000))), 2000),
+])
+def test_the_gpus_a_cuda_visible_devices_lists_are_counted_as_cuda_reads_it(cvd: str, count: int) -> None:
+    assert listed_gpus(cvd) == count
