@@ -113,12 +113,14 @@ class Agent:
     # ----------------------------------------------------------------- run
     def run(self) -> int:
         """Run attempts until success, a signal, or restarts run out; return ftrun's exit code."""
-        handled = set(self.config.signals_to_handle) | {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+        config = self.config
+        with answering(config.etcd):
+            self.access.reach_etcd()
+        handled = set(config.signals_to_handle) | {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
         mail_r, mail_w = os.pipe()
         os.set_blocking(mail_r, False)
         os.set_blocking(mail_w, False)
         self.gpu_health.start()
-        config = self.config
         if config.metrics_port is not None:
             try:
                 metrics.serve(config.metrics_port, "0.0.0.0", lambda: self.status.latest)

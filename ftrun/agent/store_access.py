@@ -14,6 +14,7 @@ from ftrun.agent.forkserver import ForkRefused, ForkServer
 from ftrun.config import Endpoint, LaunchConfig
 from ftrun.console import Console
 from ftrun.errors import UsageError
+from ftrun.store import keys
 from ftrun.store.auth import Seal
 from ftrun.store.client import open_client_retrying
 from ftrun.store.etcd import EtcdKeyValue
@@ -45,6 +46,18 @@ class StoreAccess:
             return JobStore(EtcdKeyValue(self.config.etcd, timeout), self.seal)
         host = self.store_host.client_host if self.store_host is not None else self.config.store.host
         return JobStore(StoreClient(host, self.config.store.port, timeout), self.seal)
+
+    def reach_etcd(self) -> None:
+        """With etcd, ask the cluster once before anything else starts (GPU health, the fork server), so that
+        one that does not answer, or refuses these credentials, is the launch's one line (``EtcdUnavailable``
+        for :func:`~ftrun.store.etcd_config.answering`), not its third."""
+        if self.config.etcd is None:
+            return
+        kv = EtcdKeyValue(self.config.etcd, STORE_TIMEOUT)
+        try:
+            kv.check([keys.JOB])
+        finally:
+            kv.close()
 
     def find_group_store(self) -> Endpoint:
         """With etcd, where node 0 serves the process groups' store, as it published it there (a node other
