@@ -20,7 +20,7 @@ from typing import Any
 
 import psutil
 
-from ftrun import events, protocol, registry
+from ftrun import events, open_files, protocol, registry
 from ftrun.agent import metrics
 from ftrun.agent.decisions import RecoveryOptions, rescue_source
 from ftrun.agent.drills import Drills
@@ -116,6 +116,8 @@ class Agent:
         config = self.config
         with answering(config.etcd):
             self.access.reach_etcd()
+        workers = config.nproc_per_node + config.recovery.spares
+        open_files.allow(workers, open_files.PER_WORKER, f"{workers} workers on this node")
         handled = set(config.signals_to_handle) | {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
         mail_r, mail_w = os.pipe()
         os.set_blocking(mail_r, False)

@@ -101,8 +101,10 @@ class Leader:
         return None
 
     def awaiting(self, now: float) -> bool:
-        """The leader's attempt ends when every worker of the job has."""
-        return False
+        """The leader's attempt ends when every worker of the job has, and every node it starts with has told of
+        its workers or been lost: a script whose workers end before another node's start has not yet ended (an
+        attempt being stopped waits for none: the nodes still starting read how it ended)."""
+        return self.nodes is not None and not self.control.stopping() and bool(self.nodes.unstarted())
 
     def why_no_restart(self) -> str | None:
         """Why the job's group cannot restart on the same nodes, or None: a node was lost in this attempt."""

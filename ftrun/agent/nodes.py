@@ -180,13 +180,17 @@ class RemoteNodes:
             elif not self.control.stopping():
                 self.control.workers_failed([(worker, WorkerFailure(**message["failure"]))])
 
-    def waiting(self) -> str | None:
-        """Which of the nodes the job starts with (--nnodes, or MIN of MIN:MAX) it still waits for, or None;
-        each has the leases' start grace (--rdzv-conf join_timeout) to renew its lease for the first time, or it
-        is lost."""
+    def unstarted(self) -> list[int]:
+        """The nodes the job starts with (--nnodes, or MIN of MIN:MAX) whose workers have not started, less
+        those lost."""
         if self.starting is None:
-            return None
-        missing = sorted(self.starting - {node_of(uid) for uid in self.remote} - set(self.lost))
+            return []
+        return sorted(self.starting - {node_of(uid) for uid in self.remote} - set(self.lost))
+
+    def waiting(self) -> str | None:
+        """Which of the nodes the job starts with it still waits for, or None; each has the leases' start grace
+        (--rdzv-conf join_timeout) to renew its lease for the first time, or it is lost."""
+        missing = self.unstarted()
         if not missing:
             self.starting = None
             return None

@@ -41,6 +41,11 @@ class Host:
     slots: int | None = None
 
 
+MAX_HOSTS = 4096
+"""Hosts one ``--hostfile`` / ``-H`` launch may name: each is an ssh session (and its pipes) held by this
+process for the whole job. Larger jobs start each node in scheduler mode (``--nnodes``, srun, a Kubernetes
+JobSet), where nothing runs per node on one machine."""
+
 HOSTFILE_LIMIT = 16 << 20
 """Bytes a hostfile may hold: hundreds of thousands of lines."""
 
@@ -100,6 +105,9 @@ def _parse_line(line: str) -> Host:
 def _add(hosts: list[Host], seen: dict[str, str], host: Host, where: str, here: str) -> None:
     """Append ``host`` unless it is already listed (names compare case-insensitively)."""
     key = host.name.lower()
+    if len(hosts) == MAX_HOSTS:
+        raise UsageError(f"{where}: more than {MAX_HOSTS} hosts, each an ssh session held from here: start a job "
+                         "this large in scheduler mode (--nnodes and --rdzv-endpoint on each node, or srun)")
     if key in seen:
         raise UsageError(f"{where}: duplicate host {host.name!r} (already {seen[key]}): list each host once")
     seen[key] = here

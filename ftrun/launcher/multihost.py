@@ -20,7 +20,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from ftrun import protocol, registry
+from ftrun import open_files, protocol, registry
 from ftrun.config import Endpoint, LaunchConfig
 from ftrun.console import Console
 from ftrun.errors import EXIT_SIGNAL_BASE, EXIT_WORKERS_FAILED, UsageError
@@ -34,6 +34,11 @@ from ftrun.store.etcd import EtcdKeyValue
 from ftrun.store.host import StoreHost
 from ftrun.store.job import JobStore
 from ftrun.store.mailbox import Outbox
+
+
+SETTLE_TIMEOUT = 10.0
+"""Seconds the other agents have to end by themselves once node 0's ended well (it told them how the job
+ended before it did): stopping them at once cut their last words short, and printed each as killed."""
 
 
 @dataclass
@@ -67,6 +72,7 @@ class HostLauncher:
     def run(self) -> int:
         """Launch, relay output until node 0's agent ends (with etcd: every agent), stop the rest; the job's
         exit code."""
+        open_files.allow(len(self.hosts), open_files.PER_HOST, f"{len(self.hosts)} hosts")
         self._probe()
         config = self.config
         etcd = config.etcd
@@ -121,7 +127,8 @@ class HostLauncher:
             self.selector.register(pipe, selectors.EVENT_READ, (agent, out))
 
     def _relay(self, wake: SignalWake) -> int:
-        stopping: float | None = None
+        stopping: float | None = None  # the agents were told to stop: they are killed at this monotonic time
+        settling: float | None = None  # node 0 ended well: the others, told so, end by themselves until then
         interrupted: int | None = None
         while any(a.exitcode is None for a in self.agents):
             for key, _ in self.selector.select(0.5):
@@ -133,8 +140,14 @@ class HostLauncher:
             for agent in self.agents:
                 if agent.exitcode is None and agent.proc.poll() is not None and not agent.lines:
                     agent.exitcode, agent.ended_at = agent.proc.returncode, time.time()
-                    if self._agent_ended(agent):
+                    if not self._agent_ended(agent, stopping is not None):
+                        continue
+                    if agent.exitcode == 0 and stopping is None:
+                        settling = settling or time.monotonic() + SETTLE_TIMEOUT
+                    else:
                         stopping = stopping or self._stop_agents()
+            if settling is not None and stopping is None and time.monotonic() > settling:
+                stopping = self._stop_agents()
             if stopping is not None and time.monotonic() > stopping:
                 for agent in self.agents:
                     if agent.exitcode is None:
@@ -163,12 +176,13 @@ class HostLauncher:
             if out is sys.stderr.buffer:
                 agent.stderr_tail.extend(data.decode(errors="replace").splitlines())
 
-    def _agent_ended(self, agent: AgentProcess) -> bool:
+    def _agent_ended(self, agent: AgentProcess, stopped: bool) -> bool:
         """Record an agent's end; True when the whole job must stop: node 0's agent ended, but with etcd,
-        where another node is elected leader when node 0 is lost, only once it ended well (the others follow)."""
+        where another node is elected leader when node 0 is lost, only once it ended well (the others follow).
+        An agent that ends badly is news for the leader, unless ``stopped``: this launcher stopped it."""
         if agent.node == 0 and (self.config.etcd is None or agent.exitcode == 0):
             return True
-        if agent.exitcode != 0:
+        if agent.exitcode != 0 and not stopped:
             why = f"the agent on {agent.host.name} ended: {self._why(agent)}"
             self.console.notice(f"ftrun: node {agent.node}: {why}", style="bold yellow")
             self.outbox.send(keys.LEADER_BOX, {"t": protocol.NODE_GONE, "node": agent.node, "reason": why,

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from ftrun.errors import UsageError
-from ftrun.launcher.hosts import Host, parse_host_list, parse_hostfile, read_hostfile
+from ftrun.launcher.hosts import MAX_HOSTS, Host, parse_host_list, parse_hostfile, read_hostfile
 
 pytestmark = pytest.mark.fast
 
@@ -103,6 +103,15 @@ def test_duplicate_ipv6_in_two_spellings():
 
 def test_line_numbers_count_comments_and_blank_lines():
     assert refusal("# header\n\nnode1\nnode1").startswith("hosts:4: duplicate host 'node1' (already on line 3)")
+
+
+def test_as_many_hosts_as_one_launch_holds_are_accepted_and_one_more_is_refused_at_its_line():
+    names = [f"node{index}" for index in range(MAX_HOSTS + 1)]
+    assert len(parse_hostfile("\n".join(names[:MAX_HOSTS]))) == MAX_HOSTS
+    # 100,000 lines stop at the first one too many, before any is looked up or started
+    message = refusal("\n".join(f"node{index}" for index in range(100_000)))
+    assert message.startswith(f"hosts:{MAX_HOSTS + 1}: more than {MAX_HOSTS} hosts") and "scheduler mode" in message
+    assert list_refusal(",".join(names)).startswith(f"-H entry {MAX_HOSTS + 1}: more than {MAX_HOSTS} hosts")
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "x", "4.5", "", "+4", "٤", "1025", "1" * 4300])

@@ -175,6 +175,19 @@ def test_ctrl_c_stops_every_agent_and_worker_on_every_host(netns_hosts, ssh_keys
     assert alive == []
 
 
+def test_a_script_that_ends_before_the_other_hosts_start_theirs_succeeds_quietly(run_ftrun, tmp_path):
+    """Node 0's worker ends at once, before the other hosts' agents have started theirs: the leader waits for
+    them (the early end was taken for a failure, with no reason given), and once it ended well the launcher
+    lets the others end by themselves (it stopped them, and printed each as killed by SIGTERM)."""
+    script = tmp_path / "hello.py"
+    script.write_text('import os\nprint("hello from rank", os.environ["RANK"])\n')
+    result = run_ftrun("-H", "127.0.0.2:1,127.0.0.3:1,127.0.0.4:1", "--log-dir", tmp_path, script, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert sorted(re.findall(r"hello from rank (\d)", result.stdout)) == ["0", "1", "2"]
+    assert "ftrun: succeeded" in result.stderr and f"{script} failed" not in result.stderr, result.stderr
+    assert "ended:" not in result.stderr, result.stderr
+
+
 @pytest.mark.parametrize("args, message", [
     (["--nnodes", "2"], "every node needs the store's address"),
     (["--nnodes", "1:2", "--node-rank", "2", "--rdzv-endpoint", "h:1"], "--node-rank 2: must be between 0 and"),
