@@ -45,8 +45,9 @@ def open_client_retrying(host: str, port: int, call_timeout: float, total: float
     deadline = time.monotonic() + total
     tries = 0
     while True:
-        try:
-            return StoreClient(host, port, call_timeout)
+        try:  # a socket that listens before the store is served is waited on: it is about to be
+            return StoreClient(host, port, call_timeout,
+                               first_connect_timeout=max(call_timeout, deadline - time.monotonic()))
         except StoreError:
             left = deadline - time.monotonic()
             if left <= 0:

@@ -107,10 +107,13 @@ class StoreClient:
     meanings; each waits at most ``timeout`` seconds unless given its own. Connecting waits at most
     ``connect_timeout`` seconds (default ``timeout``) for the server to answer, and so do the connections it
     opens besides: more for a store known to be about to be served on a socket that already listens.
+    ``first_connect_timeout`` (default ``connect_timeout``) bounds this connection's own: a client that keeps
+    trying until the store is served waits that long, rather than leave a connection the server then answers
+    in vain (torch's server logs each such answer as a failed write).
     """
 
     def __init__(self, host: str, port: int, timeout: float = DEFAULT_TIMEOUT,
-                 connect_timeout: float | None = None) -> None:
+                 connect_timeout: float | None = None, first_connect_timeout: float | None = None) -> None:
         self.endpoint = f"{host}:{port}"
         self._address = (host, port)
         self.timeout = timeout
@@ -120,6 +123,8 @@ class StoreClient:
         self._waiters: list[_Waiter] = []  # the connections wait_any waits on, one per key it waits for
         patience = timeout if connect_timeout is None else connect_timeout
         self._patience = patience  # for the connections list_keys and wait_any open
+        if first_connect_timeout is not None:
+            patience = first_connect_timeout
         deadline = time.monotonic() + patience
         try:
             self._sock: socket.socket | None = socket.create_connection((host, port), timeout=patience)

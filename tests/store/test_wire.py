@@ -13,6 +13,7 @@ from datetime import timedelta
 import pytest
 from torch.distributed import TCPStore
 
+from ftrun.store.client import open_client_retrying
 from ftrun.store.wire import StoreClient, StoreError, StoreTimeout
 
 pytestmark = pytest.mark.fast
@@ -122,6 +123,38 @@ def test_a_listener_that_never_answers_is_not_a_store_within_the_timeout():
         with pytest.raises(StoreTimeout, match=r"no TCPStore answered within 0\.5 s"):
             StoreClient("127.0.0.1", silent.getsockname()[1], timeout=0.5)
         assert time.monotonic() - started >= 0.5
+
+
+def test_a_client_trying_until_the_store_is_served_keeps_its_first_connection():
+    """The store's socket listens before it is served (StoreHost binds it first, then imports torch): a client
+    that tries for ``total`` s waits on its first connection rather than leave it at each call's timeout and
+    connect again; the server answered each connection left behind in vain ("Write to client failed")."""
+    with _listener() as listening:
+        got: list[StoreClient] = []
+        port = listening.getsockname()[1]
+        thread = threading.Thread(target=lambda: got.append(open_client_retrying("127.0.0.1", port, 0.05, PATIENT)),
+                                  daemon=True)
+        thread.start()
+        assert select.select([listening], [], [], PATIENT)[0]  # its first connection is queued
+        thread.join(0.5)  # ten times its calls' timeout: one that gave up would have connected again by now
+        listening.setblocking(False)
+        queued = []
+        while True:
+            try:
+                queued.append(listening.accept()[0])
+            except BlockingIOError:
+                break
+        assert len(queued) == 1
+        (conn,) = queued
+        conn.setblocking(True)
+        handshake = b""
+        while len(handshake) < 10:  # VALIDATE, the magic number, PING, a nonce: answered with the nonce
+            handshake += conn.recv(10 - len(handshake))
+        conn.sendall(handshake[6:])
+        thread.join(PATIENT)
+        assert len(got) == 1 and got[0].timeout == 0.05
+        got[0].close()
+        conn.close()
 
 
 def test_an_http_server_or_a_closing_listener_is_not_a_store():
