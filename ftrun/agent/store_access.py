@@ -94,9 +94,10 @@ class StoreAccess:
             return self.connect(fence_margin(config.node_timeout) / 2), None
         # calls short enough that its loop, cut off, still fences itself before the leader evicts it
         where = f"{config.store.host}:{config.store.port}"
+        server = "the --hostfile launcher" if config.under_launcher else "node 0"
         store = JobStore(open_client_retrying(
             config.store.host, config.store.port, fence_margin(config.node_timeout) / 2, STORE_TIMEOUT,
-            lambda: self.console.progress(f"waiting for the store at {where} (node 0 serves it): up to "
+            lambda: self.console.progress(f"waiting for the store at {where} ({server} serves it): up to "
                                           f"{STORE_TIMEOUT:.0f} s")), self.seal)
         self.console.progress(None)
         return store, None

@@ -39,22 +39,28 @@ RETRY_PAUSE_MAX = 1.0
 def open_client_retrying(host: str, port: int, call_timeout: float, total: float,
                          waiting: Callable[[], None] = lambda: None) -> StoreClient:
     """A connection (without torch) whose calls wait at most ``call_timeout`` s, retried for ``total`` s: the
-    store may be served later than this process starts. ``waiting`` is called once, when the first try fails.
-    A refused connection fails at once, so the tries are spaced out (up to RETRY_PAUSE_MAX s apart), as torch's
-    client spaces its own."""
+    store may be served later than this process starts. ``waiting`` is called once, when the first try fails or
+    has no answer within ``call_timeout``. A refused connection fails at once, so the tries are spaced out (up to
+    RETRY_PAUSE_MAX s apart), as torch's client spaces its own."""
     deadline = time.monotonic() + total
+    told: list[bool] = []
+
+    def tell() -> None:
+        if not told:
+            told.append(True)
+            waiting()
+
     tries = 0
     while True:
         try:  # a socket that listens before the store is served is waited on: it is about to be
             return StoreClient(host, port, call_timeout,
-                               first_connect_timeout=max(call_timeout, deadline - time.monotonic()))
+                               first_connect_timeout=max(call_timeout, deadline - time.monotonic()), slow=tell)
         except StoreError:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise
             tries += 1
-            if tries == 1:
-                waiting()
+            tell()
             time.sleep(min(RETRY_PAUSE * tries, RETRY_PAUSE_MAX, left))
 
 

@@ -109,11 +109,13 @@ class StoreClient:
     opens besides: more for a store known to be about to be served on a socket that already listens.
     ``first_connect_timeout`` (default ``connect_timeout``) bounds this connection's own: a client that keeps
     trying until the store is served waits that long, rather than leave a connection the server then answers
-    in vain (torch's server logs each such answer as a failed write).
+    in vain (torch's server logs each such answer as a failed write); ``slow`` is called if no answer came
+    within ``timeout``, so that it can say what it waits for.
     """
 
     def __init__(self, host: str, port: int, timeout: float = DEFAULT_TIMEOUT,
-                 connect_timeout: float | None = None, first_connect_timeout: float | None = None) -> None:
+                 connect_timeout: float | None = None, first_connect_timeout: float | None = None,
+                 slow: Callable[[], None] | None = None) -> None:
         self.endpoint = f"{host}:{port}"
         self._address = (host, port)
         self.timeout = timeout
@@ -141,6 +143,10 @@ class StoreClient:
         nonce = random.getrandbits(32)
         try:
             self._send(bytes([Query.VALIDATE]) + _U32.pack(MAGIC) + bytes([Query.PING]) + _U32.pack(nonce), deadline)
+            if slow is not None:
+                answered = self._poller.poll(max(0, round(min(timeout, deadline - time.monotonic()) * 1000)))
+                if not answered:
+                    slow()
             echo = _U32.unpack(self._recv(_U32.size, deadline))[0]
         except StoreTimeout:
             self.close()

@@ -131,9 +131,10 @@ def test_a_client_trying_until_the_store_is_served_keeps_its_first_connection():
     connect again; the server answered each connection left behind in vain ("Write to client failed")."""
     with _listener() as listening:
         got: list[StoreClient] = []
+        told: list[str] = []  # its progress line, once its calls' timeout passed without an answer
         port = listening.getsockname()[1]
-        thread = threading.Thread(target=lambda: got.append(open_client_retrying("127.0.0.1", port, 0.05, PATIENT)),
-                                  daemon=True)
+        thread = threading.Thread(target=lambda: got.append(open_client_retrying(
+            "127.0.0.1", port, 0.05, PATIENT, lambda: told.append("waiting"))), daemon=True)
         thread.start()
         assert select.select([listening], [], [], PATIENT)[0]  # its first connection is queued
         thread.join(0.5)  # ten times its calls' timeout: one that gave up would have connected again by now
@@ -152,7 +153,7 @@ def test_a_client_trying_until_the_store_is_served_keeps_its_first_connection():
             handshake += conn.recv(10 - len(handshake))
         conn.sendall(handshake[6:])
         thread.join(PATIENT)
-        assert len(got) == 1 and got[0].timeout == 0.05
+        assert len(got) == 1 and got[0].timeout == 0.05 and told == ["waiting"]
         got[0].close()
         conn.close()
 
