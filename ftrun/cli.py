@@ -18,6 +18,7 @@ from ftrun import __version__
 from ftrun.argv import expand_abbreviations
 from ftrun.config import RecoveryConfig, build_config
 from ftrun.errors import EXIT_USAGE, UsageError
+from ftrun.processes import Stopped, ignore_late_signals, stop_on_signals
 
 
 _ABORTS = (typer.Abort, getattr(click_exceptions, "Abort", typer.Abort))
@@ -332,6 +333,9 @@ def _spelled_out(run_command: Any, args: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: one clear line and exit code 2 for bad input, never a traceback."""
+    program = argv is None  # this process is ftrun (not a caller of main in its own process): its signals are ours
+    if program:
+        stop_on_signals()
     command = typer.main.get_command(app)
     SUBCOMMANDS.update(command.commands)
     try:
@@ -349,6 +353,11 @@ def main(argv: list[str] | None = None) -> None:
     except UsageError as exc:
         print(f"ftrun: error: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)
+    except Stopped as stopped:
+        sys.exit(128 + stopped.signum)
     except (*_ABORTS, KeyboardInterrupt):
         sys.exit(130)
+    finally:
+        if program:
+            ignore_late_signals()
     sys.exit(code or 0)

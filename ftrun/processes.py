@@ -25,6 +25,37 @@ def signal_name(number: int) -> str:
         return f"signal {number}"
 
 
+class Stopped(BaseException):
+    """SIGTERM or SIGHUP where no event loop handles signals (start-up, ``status``, ``inject``): it ends the
+    command as Ctrl-C does, running its ``finally`` blocks, and the command line exits with 128 +
+    :attr:`signum`. Not a ``KeyboardInterrupt``, which the command-line library turns into exit code 130."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal_name(signum))
+        self.signum = signum
+
+
+def _stop(signum: int, frame: object) -> None:
+    raise Stopped(signum)
+
+
+def stop_on_signals() -> None:
+    """Make SIGTERM and SIGHUP raise :class:`Stopped` in the main thread, where their disposition is the default
+    (one ignored, as under ``nohup``, stays ignored): a process killed by them skips its clean-up, which the
+    ``finally`` blocks an exception runs do not."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is signal.SIG_DFL:
+            signal.signal(sig, _stop)
+
+
+def ignore_late_signals() -> None:
+    """The command is over: SIGINT, SIGTERM and SIGHUP are ignored from now on, so that one arriving while the
+    interpreter shuts down (which puts the default back on the handlers Python set) does not turn the exit
+    status chosen into a death by that signal."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 class SignalWake:
     """While entered, the given signals are caught and written to a pipe an event loop can select on.
 

@@ -139,8 +139,8 @@ class Agent:
                 self.console.notice(f"ftrun: cannot write {self.run_dir / 'secret'} ({exc.strerror or exc}): "
                                     "`ftrun status` and `ftrun inject` from another machine cannot be given the "
                                     "run's secret (--secret-file)", style="yellow")
-        try:
-            with SignalWake(handled) as wake:
+        with SignalWake(handled) as wake:  # until the clean-up is done: a second Ctrl-C must not cut it short
+            try:
                 self.signal_fd = wake.fd
                 self.selector.register(wake.fd, selectors.EVENT_READ, (SIGNAL, wake))
                 self.selector.register(mail_r, selectors.EVENT_READ, (MAIL, mail_r))
@@ -150,19 +150,23 @@ class Agent:
                 finally:
                     for fd in (wake.fd, mail_r, self.gpu_health.wake_fd):
                         self.selector.unregister(fd)
-        finally:
-            self.pool.stop_fork_server()
-            self.gpu_health.stop()
-            if self.links is not None:
-                self.links.stop()
-                if not self.leader:
-                    say_ended(self.config, self.access)
-            self.access.close()  # the store's process ends
-            if self.registered is not None:
-                registry.unregister(self.registered)
-            os.close(mail_r)
-            os.close(mail_w)
-            self.log.close()
+            finally:
+                self._clean_up(mail_r, mail_w)
+
+    def _clean_up(self, mail_r: int, mail_w: int) -> None:
+        """The launch is over: stop the fork server and GPU health, say so to the store, leave the registry."""
+        self.pool.stop_fork_server()
+        self.gpu_health.stop()
+        if self.links is not None:
+            self.links.stop()
+            if not self.leader:
+                say_ended(self.config, self.access)
+        self.access.close()  # the store's process ends
+        if self.registered is not None:
+            registry.unregister(self.registered)
+        os.close(mail_r)
+        os.close(mail_w)
+        self.log.close()
 
     def _register(self) -> Path | None:
         """Enter this launch in the run registry; a registry that cannot be written (a full disk) is said once."""

@@ -222,7 +222,8 @@ class RemoteNodes:
             return  # its workers had all ended: it was done, not lost
         self.lost[node] = why
         self.log.write(events.NODE_LOST, node=node, reason=why, ranks=[w.slot.rank for w in lost])
-        self.notices.notice(f"ftrun: node {node} lost: {why}", style="bold yellow")
+        if not self.control.stopping():  # in a stop, the nodes end as they were told to: no news
+            self.notices.notice(f"ftrun: node {node} lost: {why}", style="bold yellow")
         faults: list[tuple[WorkerHandle, WorkerFailure]] = []
         for worker in lost:
             worker.exitcode = -signal.SIGKILL

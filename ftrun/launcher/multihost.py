@@ -134,7 +134,7 @@ class HostLauncher:
             for key, _ in self.selector.select(0.5):
                 if key.data is None:
                     interrupted = interrupted or self._signalled(wake)
-                    stopping = stopping or self._stop_agents()
+                    stopping = stopping or self._stop_agents(interrupted or signal.SIGTERM)
                 else:
                     self._pass_on(key.fileobj, *key.data)
             for agent in self.agents:
@@ -179,12 +179,14 @@ class HostLauncher:
     def _agent_ended(self, agent: AgentProcess, stopped: bool) -> bool:
         """Record an agent's end; True when the whole job must stop: node 0's agent ended, but with etcd,
         where another node is elected leader when node 0 is lost, only once it ended well (the others follow).
-        An agent that ends badly is news for the leader, unless ``stopped``: this launcher stopped it."""
+        An agent that ends badly is news for the leader (said here too, unless ``stopped``: this launcher
+        stopped it), which then need not wait for its lease to run out."""
         if agent.node == 0 and (self.config.etcd is None or agent.exitcode == 0):
             return True
-        if agent.exitcode != 0 and not stopped:
+        if agent.exitcode != 0:
             why = f"the agent on {agent.host.name} ended: {self._why(agent)}"
-            self.console.notice(f"ftrun: node {agent.node}: {why}", style="bold yellow")
+            if not stopped:
+                self.console.notice(f"ftrun: node {agent.node}: {why}", style="bold yellow")
             self.outbox.send(keys.LEADER_BOX, {"t": protocol.NODE_GONE, "node": agent.node, "reason": why,
                                                "since": agent.ended_at})
         return False
@@ -205,8 +207,9 @@ class HostLauncher:
             return received[0]
         return None
 
-    def _stop_agents(self) -> float:
-        """SIGTERM every agent still running (over ssh: close ssh's stdin, and the remote side sends it).
+    def _stop_agents(self, sig: int = signal.SIGTERM) -> float:
+        """Send ``sig`` (the one this launcher received, else SIGTERM) to every agent still running on this
+        machine; over ssh, close ssh's stdin, and the remote side sends SIGTERM.
 
         The ssh session of a node the leader declared lost may hang on a dead link until ssh gives up: it
         is ended at once (that node has fenced itself, or is gone).
@@ -216,7 +219,7 @@ class HostLauncher:
                 continue
             if agent.local:
                 try:
-                    os.killpg(agent.proc.pid, signal.SIGTERM)
+                    os.killpg(agent.proc.pid, sig)
                 except ProcessLookupError:
                     pass
             elif self.store.is_evicted(agent.node):

@@ -175,3 +175,27 @@ def test_a_hung_worker_sigkill_cannot_end_is_killed_once_then_given_up_on_and_th
     freezer.thaw()
     assert ends(start["pid"])
 
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_before_the_agent_handles_signals_is_still_its_exit_status_not_a_death(launcher_env, workload, sig):
+    """The launch is held asking an etcd that accepts and never answers, before the agent installs its signal
+    handling: SIGTERM or SIGHUP there ends ftrun with 128 + the signal and no traceback, as Ctrl-C does (it
+    died of the signal, its clean-up skipped)."""
+    import select
+    import socket
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        job = subprocess.Popen([*FTRUN, "--rdzv-backend", "etcd", "--rdzv-endpoint",
+                                f"127.0.0.1:{silent.getsockname()[1]}", workload("wait_forever.py"), "/nonexistent"],
+                               env=launcher_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert select.select([silent], [], [], TIMEOUT)[0]  # ftrun is asking etcd: its connection is queued
+            job.send_signal(sig)
+            _, err = job.communicate(timeout=TIMEOUT)
+        finally:
+            job.kill()
+    assert job.returncode == 128 + sig, err
+    assert "Traceback" not in err

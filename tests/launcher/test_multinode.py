@@ -188,6 +188,28 @@ def test_a_script_that_ends_before_the_other_hosts_start_theirs_succeeds_quietly
     assert "ended:" not in result.stderr, result.stderr
 
 
+def test_a_signal_to_a_hostfile_launch_is_the_one_each_local_agent_gets_and_no_node_is_waited_for(
+        launcher_env, tmp_path):
+    """SIGHUP to `ftrun -H` with two of this machine's hosts: each agent gets SIGHUP (they got SIGTERM, and
+    recorded it), and node 0 does not wait for node 1's lease to run out (the launcher no longer told it that
+    node 1 ended) nor call it lost."""
+    job = subprocess.Popen([*FTRUN, "-H", "127.0.0.2:1,127.0.0.3:1", "--log-dir", str(tmp_path), EXAMPLE, "--steps",
+                            "100000"], env=launcher_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in job.stdout:
+            if LOSS.search(line):
+                break
+        job.send_signal(signal.SIGHUP)
+        _, err = job.communicate(timeout=60)
+    finally:
+        job.kill()
+    assert job.returncode == 128 + signal.SIGHUP, err
+    (run_dir,) = tmp_path.iterdir()
+    ends = [events(node)[-1] for node in (run_dir, run_dir / "node1")]
+    assert [(end["event"], end["signal"]) for end in ends] == [("end", signal.SIGHUP)] * 2, ends
+    assert "lost" not in err and "lease" not in err, err
+
+
 @pytest.mark.parametrize("args, message", [
     (["--nnodes", "2"], "every node needs the store's address"),
     (["--nnodes", "1:2", "--node-rank", "2", "--rdzv-endpoint", "h:1"], "--node-rank 2: must be between 0 and"),
