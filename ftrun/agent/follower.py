@@ -118,7 +118,10 @@ class Follower:
             for each in mine:
                 each.send(message["data"].encode())
         elif kind == protocol.SIGNAL and worker is not None:
-            worker.send_signal(message["sig"])
+            # a node stopping its workers itself (it got the signal too) lets them save first and signals them
+            # after: the leader's signal, sent once its own workers saved, would cut that short (SIGKILL would not)
+            if message["sig"] == signal.SIGKILL or not self.control.stopping():
+                worker.send_signal(message["sig"])
         elif kind == protocol.START_WORKER:  # the replacement of this node's worker ``uid``
             slot = WorkerSlot(uid=uid, worker_id=f"{self.node_rank}:{uid}", local_rank=message["local_rank"],
                               rank=message["rank"])

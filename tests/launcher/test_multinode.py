@@ -191,8 +191,8 @@ def test_a_script_that_ends_before_the_other_hosts_start_theirs_succeeds_quietly
 def test_a_signal_to_a_hostfile_launch_is_the_one_each_local_agent_gets_and_no_node_is_waited_for(
         launcher_env, tmp_path):
     """SIGHUP to `ftrun -H` with two of this machine's hosts: each agent gets SIGHUP (they got SIGTERM, and
-    recorded it), and node 0 does not wait for node 1's lease to run out (the launcher no longer told it that
-    node 1 ended) nor call it lost."""
+    recorded it), each node's worker saves its state before it is signalled, and node 0 neither waits for node
+    1's lease to run out nor calls it lost."""
     job = subprocess.Popen([*FTRUN, "-H", "127.0.0.2:1,127.0.0.3:1", "--log-dir", str(tmp_path), EXAMPLE, "--steps",
                             "100000"], env=launcher_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -208,6 +208,9 @@ def test_a_signal_to_a_hostfile_launch_is_the_one_each_local_agent_gets_and_no_n
     ends = [events(node)[-1] for node in (run_dir, run_dir / "node1")]
     assert [(end["event"], end["signal"]) for end in ends] == [("end", signal.SIGHUP)] * 2, ends
     assert "lost" not in err and "lease" not in err, err
+    # each node's worker saved: the leader's signal, sent once node 0's had, did not cut node 1's save short
+    rescues = [next(e for e in events(node) if e["event"] == "rescue") for node in (run_dir, run_dir / "node1")]
+    assert [sorted(rescue["saved"]) for rescue in rescues] == [["0"], ["100000"]], rescues
 
 
 @pytest.mark.parametrize("args, message", [
