@@ -411,7 +411,8 @@ class Agent:
     def _stop(self, sig: int, now: float, savers: Sequence[WorkerHandle] = ()) -> None:
         """Begin stopping the workers: ``savers`` save their state first (a preemption), then ``sig``."""
         stop = schedule(sig, now, self.config.shutdown_timeout, save=bool(savers))
-        self.stopper = Stopper(stop, self.job_workers, self.abandon, self.log, self.console, self.run_dir, savers)
+        self.stopper = Stopper(stop, self.job_workers, self.abandon, self.log, self.console, self.run_dir, savers,
+                               self.config.node_rank)
 
     def stopping(self) -> bool:
         """Whether the attempt is being stopped."""

@@ -26,12 +26,14 @@ class Stopper:
     ``workers`` returns the live workers still waited for; ``abandon`` is called for each one still there
     :data:`~ftrun.agent.shutdown.KILL_WAIT` seconds after SIGKILL. ``savers`` (the live workers that use the
     worker API, on a preemption) are asked to write their last committed state to ``<run dir>/rescue`` first.
+    ``node``: this node's rank; only node 0's line says how to resume (``--resume-from`` reads node 0's).
     """
 
     def __init__(self, stop: StopSchedule, workers: Callable[[], list[WorkerHandle]],
                  abandon: Callable[[WorkerHandle, float], None], log: EventSink, notices: Notices,
-                 run_dir: Path, savers: Sequence[WorkerHandle] = ()) -> None:
+                 run_dir: Path, savers: Sequence[WorkerHandle] = (), node: int = 0) -> None:
         self.stop = stop
+        self.node = node
         self.workers = workers
         self.abandon = abandon
         self.log = log
@@ -91,7 +93,10 @@ class Stopper:
         best = max(self.saved.values(), default=-1)
         self.log.write(events.RESCUE, saved=self.saved, best_step=best, missing=sorted(self.waiting),
                        errors=self.errors, why=signal_name(self.stop.sig))
-        if best >= 0:
+        if best >= 0 and self.node != 0:
+            self.notices.notice(f"ftrun: node {self.node}: the state of step {best} is saved in "
+                                f"{self.run_dir / 'rescue'} (a new launch resumes from node 0's)", style="green")
+        elif best >= 0:
             self.notices.notice(f"ftrun: the state of step {best} is saved in {self.run_dir / 'rescue'}; "
                                 f"`ftrun --resume-from {self.run_dir} ...` continues from it", style="bold green")
         elif self.errors:

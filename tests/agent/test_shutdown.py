@@ -97,13 +97,22 @@ class StandIn:
         self.signals.append(sig)
 
 
-def make_stopper(tmp_path, workers, savers, grace=GRACE):
+def make_stopper(tmp_path, workers, savers, grace=GRACE, node=0):
     log, notices, abandoned = EventLog(tmp_path / "events.jsonl"), [], []
     stopper = Stopper(schedule(signal.SIGTERM, 0.0, grace, save=bool(savers)),
                       lambda: [w for w in workers if w.exitcode is None],
                       lambda w, waited: abandoned.append((w.uid, waited)), log,
-                      SimpleNamespace(notice=lambda text, style="": notices.append(text)), tmp_path, savers)
+                      SimpleNamespace(notice=lambda text, style="": notices.append(text)), tmp_path, savers, node)
     return stopper, log, notices, abandoned
+
+
+def test_another_nodes_stopper_says_where_it_saved_but_leaves_how_to_resume_to_node_0(tmp_path):
+    workers = [StandIn(100000)]
+    stopper, _, notices, _ = make_stopper(tmp_path, workers, workers, node=1)
+    stopper.on_message(100000, {"t": protocol.SAVED, "step": 7})
+    stopper.tick(1.0)
+    assert notices == [f"ftrun: node 1: the state of step 7 is saved in {tmp_path / 'rescue'} (a new launch "
+                       "resumes from node 0's)"]
 
 
 def test_a_preempted_stopper_asks_the_api_workers_to_save_then_signals_everyone_once(tmp_path):
