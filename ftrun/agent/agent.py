@@ -100,8 +100,8 @@ class Agent:
         self.log.listeners.append(self.status.tally.add)
         self.local_world = config.nproc_per_node
         """Training workers this attempt starts on this node: fewer than --nproc-per-node after a GPU eviction."""
-        self.signal_fd: int | None = None
-        """Readable when a handled signal has come (SignalWake's pipe), while the agent runs."""
+        self.signals: SignalWake | None = None
+        """The handled signals that came (its pipe is readable when one has), while the agent runs."""
         self.restarted_after: float | None = None
         """Wall-clock time of the failure that ended the previous attempt (None in the first)."""
         drills = Drills(self.log, self.run_name, config.node_rank, self.ranked_workers,
@@ -141,7 +141,7 @@ class Agent:
                                     "run's secret (--secret-file)", style="yellow")
         with SignalWake(handled) as wake:  # until the clean-up is done: a second Ctrl-C must not cut it short
             try:
-                self.signal_fd = wake.fd
+                self.signals = wake
                 self.selector.register(wake.fd, selectors.EVENT_READ, (SIGNAL, wake))
                 self.selector.register(mail_r, selectors.EVENT_READ, (MAIL, mail_r))
                 self.selector.register(self.gpu_health.wake_fd, selectors.EVENT_READ, (GPU, None))
@@ -188,7 +188,11 @@ class Agent:
             self.config = self.pool.config = self.access.config = dataclasses.replace(
                 self.config, store=where, master_addr=where.host)
         while True:
-            self._start_group()  # waits for the fork server: it serves the store too
+            early = self._start_group()  # waits for the fork server: it serves the store too
+            if early is not None:  # Ctrl-C during the start: no worker was started, none is waited for
+                self.console.notice(f"ftrun: received {signal_name(early)} before the workers started; stopped")
+                self.log.write(events.END, outcome="interrupted", signal=early)
+                return EXIT_SIGNAL_BASE + early
             if self.store is None:  # registered once it answers
                 with answering(self.config.etcd):
                     self._serve_store(mail_w)
@@ -291,8 +295,9 @@ class Agent:
         return leader
 
     # ----------------------------------------------------------- workers
-    def _start_group(self) -> None:
-        """Start one worker per usable local rank (and the spares) for a new attempt.
+    def _start_group(self) -> int | None:
+        """Start one worker per usable local rank (and the spares) for a new attempt; a signal that came before
+        (while the fork server imported torch, say) starts none, and its number is returned.
 
         A local rank whose GPU was evicted gets no worker: the group is smaller, its ranks stay contiguous
         and WORLD_SIZE says so.
@@ -301,7 +306,10 @@ class Agent:
         self.coordination = None  # the last attempt's: the new one is told of these workers once it is made
         self.gpu_health.restarts.clear()  # uids are numbered per attempt
         # Workers started now would each import torch: the fork server, importing it once, is done sooner.
-        self.pool.await_fork_server(FORK_SERVER_WAIT, self.signal_fd)
+        self.pool.await_fork_server(FORK_SERVER_WAIT, self.signals.fd)
+        early = self.signals.received()
+        if early:
+            return early[0]
         local_ranks = self.gpu_health.usable_ranks(self.config.nproc_per_node)
         self.local_world = len(local_ranks)
         self.pool.new_attempt(self.restart_count, self.sizes,

@@ -12,8 +12,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import FTRUN
-from runs import COMMIT, NO_WATCHDOG, NPROC, RTOL, STEPS, TIMEOUT, TRAINING, check_steps, read_run
+from conftest import EXAMPLE, FTRUN
+from runs import COMMIT, NO_WATCHDOG, NPROC, RTOL, STEPS, TIMEOUT, TRAINING, check_steps, communicate, read_run
 from ftrun.agent.shutdown import KILL_WAIT
 
 SAVED_STEP = 5
@@ -199,3 +199,24 @@ def test_a_signal_before_the_agent_handles_signals_is_still_its_exit_status_not_
             job.kill()
     assert job.returncode == 128 + sig, err
     assert "Traceback" not in err
+
+
+def test_ctrl_c_while_the_fork_server_imports_torch_stops_before_any_worker_starts(launcher_env, tmp_path):
+    """The launch waits for its fork server's import of torch before it starts workers: Ctrl-C then ends it at
+    once, with no worker started (each was started as a new process, importing torch itself, and then
+    stopped: seconds later)."""
+    job = subprocess.Popen([*FTRUN, "--nproc-per-node", "2", "--log-dir", str(tmp_path), EXAMPLE, "--steps", "5"],
+                           env=launcher_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in job.stderr:
+            if "importing torch once for every worker" in line:
+                break
+        job.send_signal(signal.SIGINT)
+        _, err = communicate(job, TIMEOUT)
+    finally:
+        job.kill()
+    assert job.returncode == 128 + signal.SIGINT, err
+    assert "ftrun: received SIGINT before the workers started; stopped" in err
+    run = read_run(job, tmp_path)
+    assert [(event["event"], event.get("signal")) for event in run.events] == \
+        [("start", None), ("end", signal.SIGINT)], run.events
