@@ -286,11 +286,25 @@ def writable_log_dir(log_dir: str) -> Path:
     return path
 
 
-def resume_dir(run_dir: str) -> Path:
-    """Check that --resume-from names a run directory holding saved state (a regular file ``rescue/*.pt``: a FIFO
-    or a directory there is none); its absolute path. The workers read the files, and skip those they cannot use."""
+def holds_saved_state(rescue: Path) -> bool:
+    """Whether the directory ``rescue`` holds saved state: a regular file ``*.pt``, or ``shards/*.pt`` for sharded
+    state (a FIFO or a directory there is none). The workers read the files, and skip those they cannot use."""
+    return is_dir(rescue) and any(is_file(file) for file in [*rescue.glob("*.pt"), *rescue.glob("shards/*.pt")])
+
+
+def resumed_rescue(run_dir: Path, node_rank: int) -> Path:
+    """The directory of saved state node ``node_rank`` resumes from, in the run directory ``run_dir`` of node 0 of
+    an earlier launch: its own node's, ``node<N>/rescue``, where this host holds it (that node saved there, on
+    its own disk or on shared storage), else node 0's, ``rescue``."""
+    own = run_dir / f"node{node_rank}" / "rescue"
+    return own if node_rank > 0 and holds_saved_state(own) else run_dir / "rescue"
+
+
+def resume_dir(run_dir: str, node_rank: int = 0) -> Path:
+    """Check that --resume-from names a run directory holding saved state for node ``node_rank``
+    (:func:`resumed_rescue`); its absolute path."""
     path = Path(run_dir).absolute()
-    if not is_dir(path / "rescue") or not any(is_file(file) for file in (path / "rescue").glob("*.pt")):
+    if not holds_saved_state(resumed_rescue(path, node_rank)):
         raise UsageError(f"--resume-from {run_dir}: no saved state there (no file {path / 'rescue'}/*.pt): give the "
                          "run directory of a launch that saved its state, as its 'the state of step N is saved' "
                          "line names it")

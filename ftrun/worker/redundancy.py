@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ftrun.protocol import node_of
 from ftrun.worker import shards, transfer
-from ftrun.worker.shards import INVALID, Choice, Holding, Layout, Leaf
+from ftrun.worker.shards import INVALID, NOTHING, Choice, Holding, Layout, Leaf
 from ftrun.worker.state import Stateful
 
 Rebuild = Callable[[], dict[str, Stateful]]
@@ -221,20 +221,28 @@ class Redundancy:
     def holding(self, committed: int, joiner: bool) -> Holding:
         """What this rank holds, for the agreement (a joiner holds nothing)."""
         if joiner:
-            return Holding(INVALID, -1, 0, (INVALID, INVALID), (INVALID, INVALID), -1)
+            return NOTHING
         steps = lambda slots: tuple(s.step for s in slots) if slots else (INVALID, INVALID)  # noqa: E731
         return Holding(committed, self.index, self.world, steps(self.own), steps(self.buddy), self.layout_gen,
                        self.stride)
 
-    def restore(self, choice: Choice, control: dist.ProcessGroup, gen: int, members: list[int]) -> None:
+    def adopt(self, layout: Layout, holding: Holding, own: list[Slot], buddy: list[Slot]) -> None:
+        """Hold the copies read back from disk (:mod:`ftrun.worker.saved_shards`) as this rank's, in their
+        layout, for :meth:`restore` to send from."""
+        self.layout, self.index, self.world = layout, holding.index, holding.world
+        self.layout_gen, self.stride, self.own, self.buddy = holding.layout_gen, holding.stride, own, buddy
+
+    def restore(self, choice: Choice, control: dist.ProcessGroup, gen: int, members: list[int],
+                sender: int = 0) -> None:
         """Move the chosen copies to the new shards over ``control``, rebuild the objects (in the protected
         mapping, by name) and load them; the copies from now on go to buddies placed over the nodes of
-        ``members`` (generation ``gen``'s worker uids, in rank order).
+        ``members`` (generation ``gen``'s worker uids, in rank order). Rank ``sender`` sends the layout and the
+        state's other values (a survivor: rank 0 at a recovery).
 
         Peak memory beyond the redundancy slots: this rank's new shard twice (received, then loaded).
         """
         rank, world = dist.get_rank(), dist.get_world_size()
-        layout, skeleton = self._agree_layout(choice, control, rank)
+        layout, skeleton = self._agree_layout(choice, control, rank, sender)
         plan = shards.moves(layout, choice, world)
         sources = self._sources(choice, rank)
         received = torch.empty(layout.nbytes(rank, world), dtype=torch.uint8)
@@ -271,18 +279,19 @@ class Redundancy:
                 result[shard] = (self.own if source.kind == shards.OWN else self.buddy)[source.slot].buffer
         return result
 
-    def _agree_layout(self, choice: Choice, control: dist.ProcessGroup, rank: int) -> tuple[Layout, Any]:
-        """Rank 0 (a survivor) sends the layout and the skeleton of the chosen step to every other rank."""
+    def _agree_layout(self, choice: Choice, control: dist.ProcessGroup, rank: int, sender: int) -> tuple[Layout, Any]:
+        """Rank ``sender`` sends the layout and the skeleton of the chosen step to every other rank."""
         world = dist.get_world_size()
-        if rank == 0:
+        if rank == sender:
             skeleton = self._skeleton(choice.step)
             payload = _encode({"layout": self.layout.to_list(), "skeleton": skeleton})
-            transfer.send_bytes(transfer.p2p_on_backend(control), payload, list(range(1, world)))
+            transfer.send_bytes(transfer.p2p_on_backend(control), payload, [r for r in range(world) if r != sender])
             return self.layout, skeleton
-        loaded = transfer.load_peer_bytes(transfer.receive_bytes(transfer.p2p_on_backend(control), 0))
+        loaded = transfer.load_peer_bytes(transfer.receive_bytes(transfer.p2p_on_backend(control), sender))
         items = transfer.described_tensors(loaded, "layout")
         if items is None:
-            raise transfer.MalformedState("the layout of the sharded state from rank 0 is not one this worker reads")
+            raise transfer.MalformedState(f"the layout of the sharded state from rank {sender} is not one this worker "
+                                          "reads")
         return Layout.from_list(items), loaded["skeleton"]
 
     def _skeleton(self, step: int) -> Any:

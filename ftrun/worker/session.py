@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ftrun import protocol
 from ftrun.protocol import Plan, initial_members
 from ftrun.store.client import open_client
-from ftrun.worker import backends, transfer
+from ftrun.worker import backends, saved_shards, transfer
 from ftrun.worker.channel import AgentChannel
 from ftrun.worker.ddp_models import DdpModels
 from ftrun.worker.entered import EnteredNotice
@@ -33,7 +33,7 @@ from ftrun.worker.interruptible import Superseded
 from ftrun.worker.planes import Planes
 from ftrun.worker.progress import ProgressNotice
 from ftrun.worker.redundancy import Rebuild, Redundancy, is_sharded, refresh_interval
-from ftrun.worker.shards import Choice, Holding, choose
+from ftrun.worker.shards import NOTHING, Choice, Holding, choose, choose_saved
 from ftrun.worker.stack_dumps import answer_stack_dump_requests
 from ftrun.worker.steps import CollectiveFailed, StepCollectives
 from ftrun.worker.state import Stateful, best_rescue, load_into, save_rescue, snapshot, state_of
@@ -78,6 +78,7 @@ class Session:
         self.members: list[int] = []  # the uids of generation ``gen``, in rank order
         self._cond = threading.Condition()
         self._state_lock = threading.Lock()  # held while the state changes: a rescue never sees half of it
+        self._saved: tuple[tuple[int, tuple[int, ...]], int] | None = None  # the last save: of what, which step
         self._latest: Plan | None = None
         self._considered = 0  # newest plan generation looked at by recovery
         self._plan_received = time.time()
@@ -204,8 +205,11 @@ class Session:
             self.channel.send(protocol.READY, uid=self.uid)
             self._recover()
         elif first:
-            self._restore_rescue()
-            self._start_together()
+            if self.redundancy is not None:
+                self._start_sharded()
+            else:
+                self._restore_rescue()
+                self._start_together()
             self._refresh()
         step = self.committed_step + 1
         try:
@@ -275,9 +279,11 @@ class Session:
         return total
 
     def _refresh(self) -> None:
-        """Start copying the sharded state of the committed step to the buddy, if this step is due."""
+        """Start copying the sharded state of the committed step to the buddy, if this step is due (under the
+        state lock: a rescue never saves a copy being overwritten)."""
         if self.redundancy is not None and self.redundancy.due(self.committed_step):
-            self.redundancy.refresh(self.committed_step, self.planes.control)
+            with self._state_lock:
+                self.redundancy.refresh(self.committed_step, self.planes.control)
 
     def _backend_error(self) -> str | None:
         """A failure the data plane's backend recorded in this step (NCCL's watchdog), under ftrun only."""
@@ -320,17 +326,23 @@ class Session:
         On a thread of its own: a state transfer may hold the state lock, and the channel thread must
         stay free to deliver plans meanwhile.
         """
-        if self.redundancy is not None:  # one shard is no state to restart from: nothing is written
-            self.channel.send(protocol.SAVED, step=-1)
-            return
         with self._state_lock:
             step = self.committed_step
+            copies = tuple(slot.step for slot in self.redundancy.own) if self.redundancy is not None else ()
+            if self._saved is not None and self._saved[0] == (step, copies):  # asked by its agent and the leader
+                self.channel.send(protocol.SAVED, step=self._saved[1])
+                return
             try:
-                save_rescue(self.protected, step, self._rescue_dir / f"{self.uid}.pt")
+                if self.redundancy is not None:  # its copies of committed steps: the live state may be mid-step
+                    written = saved_shards.write(self.redundancy, self._rescue_dir)
+                else:
+                    save_rescue(self.protected, step, self._rescue_dir / f"{self.uid}.pt")
+                    written = step
             except Exception as exc:  # a full disk, or state pickle refuses: the agent waits for the answer
                 self.channel.send(protocol.SAVED, step=step, error=(str(exc).splitlines() or [repr(exc)])[0])
                 return
-        self.channel.send(protocol.SAVED, step=step)
+            self._saved = ((step, copies), written)
+        self.channel.send(protocol.SAVED, step=written)
 
     def _restore_rescue(self) -> None:
         """Start from the best state in the directory the agent names (FTRUN_RESCUE_FROM: the previous
@@ -365,6 +377,45 @@ class Session:
         except (CollectiveFailed, LinkFailure, dist.DistError) as exc:
             self._swallowed = exc
             self.collectives.fail()
+
+    def _start_sharded(self) -> None:
+        """Every rank starts from the newest step of sharded state whose every shard the previous attempt (or the
+        launch --resume-from names) saved, if any: each rank reads its own shard's file, and the ranks send
+        each other the bytes of the new shards, as at a recovery."""
+        source = os.environ.get("FTRUN_RESCUE_FROM", "")
+        saved = saved_shards.read(Path(source), self.rank) if source else None
+        mine = saved.holding if saved is not None else NOTHING
+        deadline = time.monotonic() + self.recovery_timeout
+        try:
+            holdings = self._gather_holdings(mine, deadline) if self.world_size > 1 else [mine]
+            picked = choose_saved(holdings)
+            if picked is None:
+                worlds = [h.world for h in holdings if h.index >= 0]
+                if self.rank == 0 and worlds:
+                    print(f"ftrun: the sharded state saved in {source} does not hold every shard of any step here "
+                          f"(saved by {max(worlds)} ranks; rank r reads shards/r.pt on its own node, so a launch "
+                          "resumes it on as many ranks or more, on the same nodes): the workers start from scratch "
+                          "(step 0)", file=sys.stderr, flush=True)
+                return
+            choice, sender = picked
+            with self._state_lock, _state_from(sender):
+                if saved is not None:
+                    self.redundancy.adopt(saved.layout, saved.holding, saved.own, saved.buddy)
+                try:
+                    self.redundancy.restore(choice, self.planes.control, self.gen, self.members, sender)
+                except (CollectiveFailed, LinkFailure, dist.DistError, transfer.MalformedState):
+                    raise
+                except (RuntimeError, ValueError, KeyError, TypeError) as exc:  # another model's state
+                    raise SystemExit(f"ftrun: cannot resume from the state of step {choice.step} saved in "
+                                     f"{source}: {' '.join(str(exc).split())[:300]}") from None
+                self.committed_step = choice.step
+        except (CollectiveFailed, LinkFailure, dist.DistError) as exc:
+            self._swallowed = exc
+            self.collectives.fail()
+            return
+        if self.rank == 0:
+            print(f"ftrun: resuming from the state of step {choice.step} saved in {source}", file=sys.stderr,
+                  flush=True)
 
     @property
     def _rescue_dir(self) -> Path:
@@ -477,11 +528,7 @@ class Session:
     def _agree_sharded(self, gen: int, deadline: float) -> Choice:
         """All-gather what each rank holds of the sharded state; every rank picks the same step and sources."""
         self.redundancy.wait(max(0.0, deadline - time.monotonic()))  # an aborted refresh ends at once
-        mine = torch.tensor(self.redundancy.holding(self.committed_step, self.spare).to_list(), dtype=torch.int64)
-        held = [torch.zeros_like(mine) for _ in range(self.world_size)]
-        control = self.planes.control
-        self.collectives.wait(self.collectives.issue(lambda: control.allgather([held], [mine])), deadline)
-        choice = choose([Holding.from_list(t.tolist()) for t in held])
+        choice = choose(self._gather_holdings(self.redundancy.holding(self.committed_step, self.spare), deadline))
         if choice is None:  # every rank sees it: the agent falls back to a group restart and stops this worker
             reason = "a rank and its buddy were lost together: a shard of the sharded state is in no memory"
             self.channel.send(protocol.UNRECOVERABLE, gen=gen, reason=reason)
@@ -489,6 +536,14 @@ class Session:
                 self._cond.wait_for(lambda: time.monotonic() >= deadline, timeout=max(0.0, deadline - time.monotonic()))
             sys.exit(f"ftrun: {reason}; no group restart came within the recovery deadline")
         return choice
+
+    def _gather_holdings(self, holding: Holding, deadline: float) -> list[Holding]:
+        """Every rank's holding of sharded state, in rank order (an all-gather on the control plane)."""
+        mine = torch.tensor(holding.to_list(), dtype=torch.int64)
+        held = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        control = self.planes.control
+        self.collectives.wait(self.collectives.issue(lambda: control.allgather([held], [mine])), deadline)
+        return [Holding.from_list(t.tolist()) for t in held]
 
     def _restore_sharded(self, choice: Choice, plan: Plan) -> None:
         """Move the chosen copies into the new shards, rebuild the objects over this world and load them;
@@ -499,7 +554,8 @@ class Session:
             self.committed_step = choice.step
         if not self.redundancy.every:
             return  # no copies are kept (refresh_every 0)
-        self.redundancy.refresh(choice.step, self.planes.control)
+        with self._state_lock:
+            self.redundancy.refresh(choice.step, self.planes.control)
         self.redundancy.wait()
         if not self.redundancy.copied(choice.step):
             raise CollectiveFailed("the copy to the buddies after recovery broke off")

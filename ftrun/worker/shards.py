@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -133,6 +133,10 @@ class Holding:
                        values[8])
 
 
+NOTHING = Holding(INVALID, -1, 0, (INVALID, INVALID), (INVALID, INVALID), -1)
+"""What a rank that holds no shard tells its peers (a joiner; a rank that found no saved shard to start from)."""
+
+
 @dataclass(frozen=True)
 class Source:
     """Where the new generation takes one old shard from: the rank holding it, and which copy."""
@@ -189,6 +193,31 @@ def choose(holdings: list[Holding]) -> Choice | None:
         else:
             return Choice(step, world, sources)
     return None
+
+
+def choose_saved(holdings: list[Holding]) -> tuple[Choice, int] | None:
+    """:func:`choose` over what the ranks read from saved shards (their own shard's snapshots and their copies of
+    their giver's, no live state), and the rank that sends the layout and the state's other values: the first
+    that holds its own shard's snapshot of the chosen step. Only the save with the newest step counts: a
+    directory may keep an older save's shards, of another world. None when no step is whole."""
+    saved = [h for h in holdings if h.index >= 0]
+    if not saved:
+        return None
+    newest = max(saved, key=lambda h: max(*h.own, *h.buddy))
+    key = (newest.layout_gen, newest.world, newest.stride)
+    held = [h if (h.layout_gen, h.world, h.stride) == key else NOTHING for h in holdings]
+    while (choice := choose(held)) is not None:
+        owners = [source.rank for source in choice.sources.values() if source.kind == OWN]
+        if owners:
+            return choice, min(owners)
+        held = [_without(h, choice.step) for h in held]  # no skeleton of that step: an older one
+    return None
+
+
+def _without(holding: Holding, step: int) -> Holding:
+    """``holding`` with its copies of ``step`` left out."""
+    drop = lambda steps: tuple(INVALID if s == step else s for s in steps)  # noqa: E731
+    return replace(holding, own=drop(holding.own), buddy=drop(holding.buddy))
 
 
 # ------------------------------------------------------------------------------ redistribution

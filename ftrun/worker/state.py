@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
@@ -57,13 +58,21 @@ def save_rescue(objects: dict[str, Stateful], step: int, path: Path) -> None:
 
     OSError when it cannot be written (a full disk), and no partial file is left behind.
     """
+    save_atomically(snapshot(objects, step), path)
+
+
+def save_atomically(value: Any, path: Path) -> None:
+    """``torch.save`` ``value`` to ``path``, which holds either the whole of it or what it held before.
+
+    OSError when it cannot be written (a full disk), and no partial file is left behind.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".partial")
     try:
         with open(partial, "wb") as f:
             target = _KeepsWriteError(f)
             try:
-                torch.save(snapshot(objects, step), target)
+                torch.save(value, target)
             except RuntimeError:
                 if target.error is not None:  # torch reports a failed write as an opaque "enforce fail"
                     raise target.error from None
@@ -125,12 +134,23 @@ def _open_regular(path: Path) -> BinaryIO:
 def load_rescue(path: Path) -> dict[str, Any]:
     """The state saved in the rescue file at ``path``, loaded without running code (``weights_only``: a pickle
     that would call a function is refused) and checked (:func:`rescue_problem`); raises when it is not one."""
+    return load_checked(path, rescue_problem)
+
+
+def load_checked(path: Path, problem_of: Callable[[Any], str | None]) -> Any:
+    """What the file at ``path`` holds, loaded without running code (``weights_only``) onto the CPU; BadRescue
+    with ``problem_of``'s reason when it is not what was saved there (``problem_of`` returns None for that)."""
     with _open_regular(path) as file:
         data = torch.load(file, map_location="cpu", weights_only=True)
-    problem = rescue_problem(data)
+    problem = problem_of(data)
     if problem is not None:
         raise BadRescue(problem)
     return data
+
+
+def skipped_line(path: Path, exc: Exception) -> str:
+    """The line that says a rescue file at ``path`` is skipped, and why."""
+    return f"ftrun: skipping rescue file {path}: {_skipped_because(exc)}"
 
 
 def _skipped_because(exc: Exception) -> str:
@@ -151,7 +171,7 @@ def best_rescue(directory: Path) -> dict[str, Any] | None:
         try:
             data = load_rescue(path)
         except Exception as exc:  # noqa: BLE001 -- any unusable file is skipped the same way
-            print(f"ftrun: skipping rescue file {path}: {_skipped_because(exc)}", file=sys.stderr, flush=True)
+            print(skipped_line(path, exc), file=sys.stderr, flush=True)
             continue
         if data["step"] >= 0 and (best is None or data["step"] > best["step"]):
             best = data

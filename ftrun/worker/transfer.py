@@ -162,7 +162,12 @@ def read_manifest(data: bytes) -> tuple[Any, list[TensorSpec]]:
 def described_tensors(loaded: Any, field: str) -> list | None:
     """``loaded[field]`` where ``loaded`` (from a peer) is a dict with a ``skeleton`` and that field is a list of
     4-item entries, each starting with a tensor's path, dtype and shape (sizes >= 0); else None."""
-    items = loaded.get(field) if isinstance(loaded, dict) and "skeleton" in loaded else None
+    return tensor_entries(loaded.get(field) if isinstance(loaded, dict) and "skeleton" in loaded else None)
+
+
+def tensor_entries(items: Any) -> list | None:
+    """``items`` when it is a list of 4-item entries, each starting with a tensor's path, dtype and shape (sizes
+    >= 0); else None."""
     if not isinstance(items, list) or not all(isinstance(item, (list, tuple)) and len(item) == 4 for item in items):
         return None
     ok = all(isinstance(path, (list, tuple)) and isinstance(dtype, torch.dtype) and isinstance(shape, (list, tuple))

@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from conftest import EXAMPLE, FTRUN
-from runs import COMMIT, NO_WATCHDOG, NPROC, RTOL, STEPS, TIMEOUT, TRAINING, check_steps, communicate, read_run
+from runs import COMMIT, NO_WATCHDOG, NPROC, RTOL, STEPS, TIMEOUT, TRAINING, Run, check_steps, communicate, read_run
 from ftrun.agent.shutdown import KILL_WAIT
 
 SAVED_STEP = 5
@@ -48,15 +48,16 @@ def unkillable_line(rank: int, pid: int) -> re.Pattern:
 
 
 # ------------------------------------------------------------------------------------------ preemption
-def test_sigterm_saves_the_committed_state_and_a_resumed_launch_continues_the_loss_curve(
-        launcher_env, workload, run_ftrun, baseline, tmp_path):
-    # The workers wait before step 6 until the event log holds the rescue (the await makes the step at which
-    # ftrun is preempted exact; a real preemption lands anywhere, and the save takes what is committed).
-    first_logs, second_logs = tmp_path / "first", tmp_path / "second"
-    proc = subprocess.Popen([*FTRUN, "--nproc-per-node", str(NPROC), "--log-dir", first_logs, *NO_WATCHDOG,
+def preempted(launcher_env: dict[str, str], workload, logs: Path, example: str = "") -> Run:
+    """ftrun training EXAMPLE on NPROC workers, sent SIGTERM once every worker committed step SAVED_STEP.
+
+    The workers wait before the next step until the event log holds the rescue (the await makes the step at
+    which ftrun is preempted exact; a real preemption lands anywhere, and the save takes what is committed).
+    """
+    proc = subprocess.Popen([*FTRUN, "--nproc-per-node", str(NPROC), "--log-dir", logs, *NO_WATCHDOG,
                              workload("await_train.py"), *TRAINING],
-                            env={**launcher_env, "AWAIT": f"{SAVED_STEP + 1}:rescue"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            env={**launcher_env, "AWAIT": f"{SAVED_STEP + 1}:rescue", "EXAMPLE": example},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         committed: set[int] = set()
         lines = []
@@ -71,7 +72,13 @@ def test_sigterm_saves_the_committed_state_and_a_resumed_launch_continues_the_lo
         out, err = proc.communicate(timeout=TIMEOUT)
     finally:
         proc.kill()
-    first = read_run(subprocess.CompletedProcess(proc.args, proc.returncode, "".join(lines) + out, err), first_logs)
+    return read_run(subprocess.CompletedProcess(proc.args, proc.returncode, "".join(lines) + out, err), logs)
+
+
+def test_sigterm_saves_the_committed_state_and_a_resumed_launch_continues_the_loss_curve(
+        launcher_env, workload, run_ftrun, baseline, tmp_path):
+    first_logs, second_logs = tmp_path / "first", tmp_path / "second"
+    first = preempted(launcher_env, workload, first_logs)
     why = first.explain()
     assert first.returncode == 128 + signal.SIGTERM, why
     assert f"ftrun: received SIGTERM, stopping the workers: asking {NPROC} workers to save their last committed " \
@@ -110,6 +117,39 @@ def test_sigterm_saves_the_committed_state_and_a_resumed_launch_continues_the_lo
     refused = f"ftrun: cannot resume from the state of step {SAVED_STEP} saved in {first.run_dir / 'rescue'}: "
     assert other.returncode == 1 and other.stderr.count(refused) == 2, other.stderr
     assert "size mismatch" in other.stderr and "Traceback" not in other.stderr, other.stderr
+
+
+def test_sigterm_saves_every_shard_of_sharded_state_and_a_resumed_launch_of_more_ranks_reshards_it(
+        launcher_env, workload, run_ftrun, fsdp_baseline, tmp_path):
+    # FSDP2: each rank writes its shard's copies (of its last two committed steps, and its giver's) to
+    # rescue/shards/<rank>.pt; a launch of 6 ranks reads the 4 shards and re-shards them over its 6
+    first = preempted(launcher_env, workload, tmp_path / "first", "train_fsdp")
+    why = first.explain()
+    assert first.returncode == 128 + signal.SIGTERM, why
+    (rescue,) = first.of("rescue")
+    assert (rescue["saved"], rescue["missing"], rescue["errors"]) == \
+        ({str(uid): SAVED_STEP for uid in range(NPROC)}, [], {}), why
+    shards = first.run_dir / "rescue" / "shards"
+    assert sorted(path.name for path in shards.iterdir()) == [f"{rank}.pt" for rank in range(NPROC)], why
+
+    resumed = run_ftrun("--nproc-per-node", 6, "--log-dir", tmp_path / "second", "--resume-from", first.run_dir,
+                        workload("faulty_train.py"), *TRAINING, env={"EXAMPLE": "train_fsdp"}, timeout=TIMEOUT)
+    second = read_run(resumed, tmp_path / "second")
+    assert second.returncode == 0, second.explain()
+    assert f"ftrun: resuming from the state of step {SAVED_STEP} saved in {first.run_dir / 'rescue'}" in second.stderr
+    after = second.commits()
+    assert set(after) == set(range(6)), second.explain()
+    for uid, commits in after.items():  # 6 ranks sum the gradients in another order than 4: within RTOL
+        assert [c.step for c in commits] == list(range(SAVED_STEP + 1, STEPS)), second.explain()
+        assert all(c.world == 6 and c.loss == pytest.approx(fsdp_baseline[c.step], rel=RTOL) for c in commits), \
+            f"uid {uid}\n{second.explain()}"
+
+    # 2 ranks read 2 of the 4 shards: one line says so, and the launch starts from scratch
+    fewer = run_ftrun("--nproc-per-node", 2, "--resume-from", first.run_dir, workload("faulty_train.py"), *TRAINING,
+                      env={"EXAMPLE": "train_fsdp"}, timeout=TIMEOUT)
+    assert fewer.returncode == 0 and fewer.stderr.count("does not hold every shard of any step here (saved by 4 "
+                                                        "ranks;") == 1, fewer.stderr
+    assert "step=0 " in fewer.stdout, fewer.stdout
 
 
 def test_resume_from_a_directory_without_saved_state_is_one_line(run_ftrun, workload, tmp_path):
