@@ -273,7 +273,7 @@ def build_config(
         xid_table = load_table(recovery.xid_policy) if recovery.xid_policy is not None else dict(DEFAULT_TABLE)
     except UsageError as exc:
         raise UsageError(f"--xid-policy: {exc}") from None
-    resume_dir = flag_values.resume_dir(resume_from) if resume_from else None
+    resume_dir = flag_values.resume_dir(resume_from, node_rank) if resume_from else None
     return LaunchConfig(
         command=flag_values.worker_command(script, script_args, module, no_python, run_path),
         script=script,

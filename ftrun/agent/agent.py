@@ -44,6 +44,7 @@ from ftrun.config import Endpoint, LaunchConfig
 from ftrun.console import Console
 from ftrun.errors import EXIT_OK, EXIT_SIGNAL_BASE, EXIT_WORKERS_FAILED, UsageError
 from ftrun.events import EventLog
+from ftrun.flag_values import resumed_rescue
 from ftrun.nccl import startup_notices
 from ftrun.processes import SignalWake, signal_name
 from ftrun.store.auth import Seal, write_secret_file
@@ -312,8 +313,10 @@ class Agent:
             return early[0]
         local_ranks = self.gpu_health.usable_ranks(self.config.nproc_per_node)
         self.local_world = len(local_ranks)
+        resume_from = self.config.resume_from
+        resumed = resumed_rescue(resume_from, self.config.node_rank) if resume_from is not None else None
         self.pool.new_attempt(self.restart_count, self.sizes,
-                              rescue_source(self.restart_count, self.rescued, self.run_dir, self.config.resume_from))
+                              rescue_source(self.restart_count, self.rescued, self.run_dir, resumed))
         late = self.config.joins_late  # a node of --nnodes MIN:MAX's optional ones: every worker joins
         for index, local_rank in enumerate(local_ranks):
             self.start_worker(local_rank, rank=None if late else self.config.rank_offset + index)
@@ -411,6 +414,13 @@ class Agent:
                                                          self.config.store)
         return host, port
 
+    def worker_message(self, worker: WorkerHandle, message: dict[str, Any]) -> None:
+        """A control message from a worker of the job: an answer to a stop's request to save, and news for the
+        coordination."""
+        if self.stopper is not None:
+            self.stopper.on_message(worker.uid, message)
+        self.coordination.on_message(worker, message)
+
     def save_and_stop(self) -> None:
         """The API's workers save their committed state (to ``<run dir>/rescue``), then every worker stops."""
         if self.stopper is None:
@@ -476,9 +486,7 @@ class Agent:
                 elif kind == CHANNEL:
                     for message in self.pool.read_channel(data):
                         routine = routine and message.get("t") == protocol.PROGRESS
-                        if self.stopper is not None:
-                            self.stopper.on_message(data, message)
-                        self.coordination.on_message(self.pool.get(data), message)
+                        self.worker_message(self.pool.get(data), message)
                 elif kind == EXIT:
                     self._on_exit(data)
                 elif kind == SIGNAL:
@@ -558,10 +566,12 @@ class Agent:
                 self.stop_all(sig)
 
     def _savers(self) -> list[WorkerHandle]:
-        """This node's live training workers that use the worker API: they can save their state before they
-        stop (an idle spare has none of its own)."""
+        """The live training workers that use the worker API this agent answers for (on the leader, the other
+        nodes' too: a node that was not signalled itself saves only when asked): they can save their state
+        before they stop (an idle spare has none of its own)."""
         c = self.coordination
-        return [w for w in self.pool.live() if c is not None and c.adopted(w.uid) and w.uid in c.plan.members]
+        live = [*self.pool.live(), *(c.remote_workers() if c is not None and not self.fenced else [])]
+        return [w for w in live if c is not None and c.adopted(w.uid) and w.uid in c.plan.members]
 
 
 def _process_state(pid: int) -> str:

@@ -233,15 +233,15 @@ def why_no_restart_here(node_evicted: bool, usable: int, nproc: int, min_nproc: 
     return None
 
 
-def rescue_source(attempt: int, rescued: bool, run_dir: Path, resume_from: Path | None) -> Path | None:
+def rescue_source(attempt: int, rescued: bool, run_dir: Path, resumed: Path | None) -> Path | None:
     """The rescue directory attempt ``attempt``'s workers start from, or None (from scratch).
 
     ``rescued``: an earlier attempt of this launch saved a state before its group restart (in ``run_dir``'s);
-    that is the newest. Else the state ``--resume-from`` names (an earlier launch's run directory), if any.
+    that is the newest. Else ``resumed``, the saved state of the earlier launch ``--resume-from`` names, if any.
     """
     if attempt > 0 and rescued:
         return run_dir / "rescue"
-    return resume_from / "rescue" if resume_from is not None else None
+    return resumed
 
 
 def waiting_for(m: Membership, options: RecoveryOptions, recovery: Recovery | None, rescue: Rescue | None,

@@ -170,7 +170,7 @@ class RemoteNodes:
         if worker is None or worker.exitcode is not None:
             return  # a worker of a node already declared lost
         if kind == protocol.WORKER_MESSAGE:
-            self.coordination.on_message(worker, message["msg"])
+            self.control.worker_message(worker, message["msg"])
         elif kind == protocol.WORKER_EXITED:
             worker.exitcode = message["code"]
             self.log.write(events.WORKER_EXIT, uid=uid, rank=worker.slot.rank, pid=worker.pid,

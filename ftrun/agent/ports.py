@@ -71,6 +71,9 @@ class WorkerControl(Protocol):
     def save_and_stop(self) -> None:
         """Ask the workers that use the worker API to save their committed state, then stop every worker."""
 
+    def worker_message(self, worker: WorkerHandle, message: dict[str, Any]) -> None:
+        """A control message from a worker of the job (another node's, relayed by its agent)."""
+
     def stopping(self) -> bool:
         """Whether the attempt is being stopped (no fault is recovered from any more)."""
 

@@ -14,12 +14,18 @@ relative per step, through AdamW's normalised update. Observed: ~2e-8. A skipped
 
 from __future__ import annotations
 
+import signal
 import subprocess
+import time
+from pathlib import Path
 
 import pytest
 
 from conftest import FTRUN
 from runs import NO_WATCHDOG, NPROC, PHASES, RTOL, STEPS, TIMEOUT, TRAINING, Run, check_in_place, read_run
+
+SAVED = 5
+"""The step every worker of a stopped job has committed: they wait before the next until the state is saved."""
 
 FSDP = "train_fsdp"
 
@@ -66,7 +72,7 @@ def test_respawned_worker_takes_its_shard_from_the_survivors_memory_and_world_re
 def test_a_rank_and_its_buddy_lost_together_fall_back_to_a_group_restart_in_one_line(launch, fsdp_baseline):
     # rank 2 dies at step 5, and its buddy (rank 3, which holds the only copy of its shard) dies as the
     # recovery begins: no memory holds shard 2. The survivors say so, the agent restarts the group, and the
-    # restart trains from step 0 (a sharded job writes no rescue: one shard is no state to restart from)
+    # restart trains from step 0: ranks 0 and 1 saved their shards and the copies they hold, shard 2 is in none
     run = launch("--max-restarts", "1", faults="kill:5:2,recovery:5:3", example=FSDP)
     why = run.explain()
     assert run.returncode == 0, why
@@ -76,11 +82,30 @@ def test_a_rank_and_its_buddy_lost_together_fall_back_to_a_group_restart_in_one_
     lines = [line for line in run.stderr.splitlines() if "a rank and its buddy were lost together" in line]
     assert len(lines) == 1 and "restarting the group (restart 1 of 1)" in lines[0], why
     assert [(e["attempt"], e["succeeded"]) for e in run.of("attempt_end")] == [(0, False), (1, True)], why
+    assert run.stderr.count("does not hold every shard of any step here (saved by 4 ranks;") == 1, why
     restarted = run.commits(attempt=1)
     assert set(restarted) == set(range(NPROC)), why
     for uid, commits in restarted.items():
         assert [c.step for c in commits] == list(range(STEPS)), f"uid {uid}\n{why}"
         assert all(c.loss == fsdp_baseline[c.step] for c in commits), f"uid {uid}\n{why}"  # a fresh run
+
+
+def test_a_group_restart_resumes_from_the_saved_shards_a_dead_ranks_from_its_buddys_copy(launch, fsdp_baseline):
+    # rank 2 dies before step 5; below --min-nproc 4 and with no joiner, ftrun restarts the group after the
+    # live ranks saved what they hold: shard 2 of step 4 is in rank 3's copy, written to rescue/shards/3.pt
+    run = launch("--max-restarts", "1", "--min-nproc", "4", "--join-timeout", "1", faults="kill:5:2", example=FSDP)
+    why = run.explain()
+    assert run.returncode == 0 and not run.of("recovery"), why
+    (rescue,) = run.of("rescue")
+    assert (rescue["saved"], rescue["missing"], rescue["why"]) == ({"0": 4, "1": 4, "3": 4}, [], "restart"), why
+    assert [(e["attempt"], e["succeeded"]) for e in run.of("attempt_end")] == [(0, False), (1, True)], why
+    assert "ftrun: resuming from the state of step 4 saved in " in run.stderr, why
+    before, restarted = run.commits(attempt=0), run.commits(attempt=1)
+    assert set(restarted) == set(range(NPROC)), why
+    for uid, commits in restarted.items():  # the same world, from the same bytes: bit for bit
+        assert [c.step for c in before[uid]] == list(range(5)), f"uid {uid}\n{why}"
+        assert [c.step for c in commits] == list(range(5, STEPS)), f"uid {uid}\n{why}"
+        assert all(c.loss == fsdp_baseline[c.step] for c in [*before[uid], *commits]), f"uid {uid}\n{why}"
 
 
 def recovered_from_the_loss_of(run: Run, lost: int) -> dict:
@@ -160,3 +185,75 @@ def test_both_workers_of_a_node_killed_take_their_shards_from_the_other_nodes_me
         assert [c.step for c in commits[uid]] == list(range(STEPS)), why  # every step once, none lost
         assert all(c.loss == pytest.approx(fsdp_baseline[c.step], rel=RTOL) for c in commits[uid]), why
     assert {c.world for c in commits[0] if c.step >= 5} == {2}, why
+
+
+def committed_everywhere(proc: subprocess.Popen, logs: Path, step: int) -> None:
+    """Return once the 4 workers logged under ``logs`` committed ``step`` (``proc``, the launch, still running)."""
+    deadline = time.monotonic() + TIMEOUT
+    while sum(f"step={step} " in p.read_text() for p in logs.glob("**/attempt_0/*/stdout.log")) < NPROC:
+        assert time.monotonic() < deadline and proc.poll() is None, f"the workers did not all commit step {step}"
+        time.sleep(0.05)  # polling the workers' logs: they wait before the next step until the state is saved
+
+
+def test_a_stop_of_node_0_alone_asks_the_other_nodes_workers_to_save_too(
+        launcher_env, workload, free_port, secret_file, tmp_path):
+    # Scheduler mode, where only node 0's ftrun gets the signal: its agent asks node 1's workers to save as well
+    # (each writes to its own node's run directory), and signals them once they have (node 1's were signalled
+    # unsaved: one shard is no state, and sharded state could not resume)
+    env = {**launcher_env, "FTRUN_SECRET_FILE": secret_file, "EXAMPLE": "train_fsdp", "AWAIT": f"{SAVED + 1}:rescue"}
+    common = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--nproc-per-node", "2", *NO_WATCHDOG]
+    node1, node0 = (subprocess.Popen([*FTRUN, *common, "--node-rank", str(node), "--log-dir", str(tmp_path / f"node{node}"),
+                                      workload("await_train.py"), *TRAINING], env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True) for node in (1, 0))
+    try:
+        committed_everywhere(node0, tmp_path, SAVED)
+        node0.send_signal(signal.SIGTERM)
+        out0, err0 = node0.communicate(timeout=TIMEOUT)
+        _, err1 = node1.communicate(timeout=TIMEOUT)
+    finally:
+        node0.kill()
+        node1.kill()
+    leader = read_run(subprocess.CompletedProcess(node0.args, node0.returncode, out0, err0), tmp_path / "node0")
+    why = f"{leader.explain()}\n--- node 1\n{err1[-3000:]}"
+    assert leader.returncode == 128 + signal.SIGTERM, why
+    assert "asking 4 workers to save their last committed state first" in err0, why
+    (rescue,) = leader.of("rescue")
+    assert (rescue["saved"], rescue["missing"], rescue["errors"]) == \
+        ({str(uid): SAVED for uid in (0, 1, 100000, 100001)}, [], {}), why
+    assert sorted(p.name for p in (leader.run_dir / "rescue" / "shards").iterdir()) == ["0.pt", "1.pt"], why
+    (node1_dir,) = (tmp_path / "node1").glob("*/node1")
+    assert sorted(p.name for p in (node1_dir / "rescue" / "shards").iterdir()) == ["2.pt", "3.pt"], why
+
+
+def test_a_sharded_job_on_two_hosts_stopped_then_resumed_goes_on_everywhere_from_each_hosts_own_shards(
+        launcher_env, workload, tmp_path, fsdp_baseline):
+    # `ftrun -H` with two of this machine's hosts: each node saves its workers' shards in its own run directory
+    # (node 1's is <run>/node1); `--resume-from <run>` makes node 1 read <run>/node1/rescue, node 0 <run>/rescue
+    hosts, logs, again = "127.0.0.2:2,127.0.0.3:2", tmp_path / "first", tmp_path / "again"
+    env = {**launcher_env, "EXAMPLE": "train_fsdp", "AWAIT": f"{SAVED + 1}:rescue"}
+    job = subprocess.Popen([*FTRUN, "-H", hosts, "--log-dir", str(logs), *NO_WATCHDOG, workload("await_train.py"),
+                            *TRAINING], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        committed_everywhere(job, logs, SAVED)
+        job.send_signal(signal.SIGTERM)
+        _, err = job.communicate(timeout=TIMEOUT)
+    finally:
+        job.kill()
+    assert job.returncode == 128 + signal.SIGTERM, err
+    (run_dir,) = logs.iterdir()
+    assert sorted(p.name for p in (run_dir / "rescue" / "shards").iterdir()) == ["0.pt", "1.pt"], err
+    assert sorted(p.name for p in (run_dir / "node1" / "rescue" / "shards").iterdir()) == ["2.pt", "3.pt"], err
+
+    del env["AWAIT"]
+    resumed = subprocess.run([*FTRUN, "-H", hosts, "--log-dir", str(again), "--resume-from", str(run_dir),
+                              workload("faulty_train.py"), *TRAINING], env=env, capture_output=True, text=True,
+                             timeout=TIMEOUT)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"ftrun: resuming from the state of step {SAVED} saved in {run_dir / 'rescue'}" in resumed.stderr
+    (new_dir,) = again.iterdir()
+    commits = Run(0, "".join(p.read_text() for p in new_dir.glob("**/attempt_0/*/stdout.log")), "", [],
+                  new_dir).commits()
+    assert set(commits) == {0, 1, 100000, 100001}, resumed.stderr[-3000:]
+    for uid, steps in commits.items():
+        assert [c.step for c in steps] == list(range(SAVED + 1, STEPS)), f"uid {uid}\n{resumed.stderr[-3000:]}"
+        assert all(c.world == 4 and c.loss == pytest.approx(fsdp_baseline[c.step], rel=RTOL) for c in steps)

@@ -13,8 +13,10 @@ from ftrun import protocol
 from ftrun.agent.decisions import Rescue, rescue_outcome, rescue_source
 from ftrun.agent.shutdown import KILL_WAIT, SAVE_SHARE, OnSignal, Phase, kill_now, on_signal, phase, schedule
 from ftrun.agent.stopper import Stopper
+from ftrun.errors import UsageError
 from ftrun.event_log import read_events
 from ftrun.events import EventLog
+from ftrun.flag_values import resume_dir, resumed_rescue
 
 pytestmark = pytest.mark.fast
 
@@ -68,9 +70,25 @@ def test_where_a_group_restart_or_a_resumed_launch_starts_from(tmp_path):
     assert rescue_source(0, False, run, None) is None
     assert rescue_source(1, False, run, None) is None  # nothing was saved: from scratch
     assert rescue_source(1, True, run, None) == run / "rescue"
-    assert rescue_source(0, False, run, earlier) == earlier / "rescue"
-    assert rescue_source(2, False, run, earlier) == earlier / "rescue"  # this launch saved nothing newer
+    assert rescue_source(0, False, run, earlier) == earlier
+    assert rescue_source(2, False, run, earlier) == earlier  # this launch saved nothing newer
     assert rescue_source(2, True, run, earlier) == run / "rescue"
+
+
+def test_a_node_resumes_from_the_state_it_saved_itself_where_its_host_holds_it(tmp_path):
+    (tmp_path / "rescue").mkdir()
+    (tmp_path / "rescue" / "0.pt").write_bytes(b"")
+    assert resumed_rescue(tmp_path, 0) == resumed_rescue(tmp_path, 1) == tmp_path / "rescue"  # node 1 saved none here
+    (tmp_path / "node1" / "rescue" / "shards").mkdir(parents=True)
+    assert resumed_rescue(tmp_path, 1) == tmp_path / "rescue"  # an empty directory holds nothing
+    (tmp_path / "node1" / "rescue" / "shards" / "2.pt").write_bytes(b"")
+    assert resumed_rescue(tmp_path, 1) == tmp_path / "node1" / "rescue"
+    assert resumed_rescue(tmp_path, 2) == tmp_path / "rescue"
+    assert resume_dir(str(tmp_path), 1) == resume_dir(str(tmp_path), 0) == tmp_path
+    (tmp_path / "rescue" / "0.pt").unlink()
+    assert resume_dir(str(tmp_path), 1) == tmp_path  # node 1's own state is enough for node 1
+    with pytest.raises(UsageError, match="no saved state there"):
+        resume_dir(str(tmp_path), 0)
 
 
 def test_a_rescue_that_could_not_be_written_says_why():
