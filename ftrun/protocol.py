@@ -43,7 +43,8 @@ RECOVERY_PHASES = ("abort", "rendezvous", "agree", "transfer")
 """The phases a worker times in its ``recovered`` message (``timings``: seconds by phase)."""
 # agent -> worker
 PLAN = "plan"  # a new generation: Plan fields
-SAVE = "save"  # recovery failed, or ftrun is stopped: write your state to FTRUN_RUN_DIR/rescue
+SAVE = "save"  # recovery failed, or ftrun is stopped: write your state to FTRUN_RUN_DIR/rescue (sharded state:
+# with ``copies``, also the copies of another rank's shard it holds, for a rank that may be lost)
 RAISE = "raise"  # a drill (`ftrun inject exception`): raise InjectedFault(message) at the next step: {message}
 SLOW = "slow"  # a drill (`ftrun inject slow`): sleep `seconds` in each step, for `duration` s (None: until cleared)
 
@@ -261,7 +262,7 @@ FROM_WORKER: dict[str, dict[str, Check]] = {
 
 TO_WORKER: dict[str, dict[str, Check]] = {
     PLAN: {"gen": is_int, "members": is_uids, "reason": is_text, "lost": is_uids, "joiners": is_uids, "store": _address},
-    SAVE: {},
+    SAVE: {"copies": is_flag},
     RAISE: {"message": is_text},
     SLOW: {"seconds": _pause, "duration": _optional_duration},
 }

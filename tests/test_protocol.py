@@ -24,7 +24,7 @@ VALID_MAIL = [
     {"t": protocol.WORKER_EXITED, "uid": 100000, "code": -9, "failure": FAILURE},
     {"t": protocol.NODE_GONE, "node": 1, "reason": "ssh ended", "since": 12.5},
     {"t": protocol.NODE_STUCK, "node": 1, "gen": 2, "reason": "every rank has made no progress for 9 s"},
-    {"t": protocol.RELAY, "uid": 100000, "data": PLAN_LINE + "\n" + protocol.encode(protocol.SAVE).decode()},
+    {"t": protocol.RELAY, "uid": 100000, "data": PLAN_LINE + "\n" + protocol.encode(protocol.SAVE, copies=False).decode()},
     {"t": protocol.SIGNAL, "uid": 100000, "sig": int(signal.SIGKILL)},
     {"t": protocol.START_WORKER, "uid": 100001, "local_rank": 1, "rank": 3},
     {"t": protocol.STOP, "reason": "the leader stopped"},

@@ -423,14 +423,15 @@ class Agent:
 
     def save_and_stop(self) -> None:
         """The API's workers save their committed state (to ``<run dir>/rescue``), then every worker stops."""
-        if self.stopper is None:
-            self._stop(signal.SIGTERM, time.monotonic(), self._savers())
+        if self.stopper is None:  # the leader is lost, its workers with it: sharded state saves their shards' copies
+            self._stop(signal.SIGTERM, time.monotonic(), self._savers(), copies=True)
 
-    def _stop(self, sig: int, now: float, savers: Sequence[WorkerHandle] = ()) -> None:
-        """Begin stopping the workers: ``savers`` save their state first (a preemption), then ``sig``."""
+    def _stop(self, sig: int, now: float, savers: Sequence[WorkerHandle] = (), copies: bool = False) -> None:
+        """Begin stopping the workers: ``savers`` save their state first (a preemption; with ``copies``, sharded
+        state also the copies of other ranks' shards), then ``sig``."""
         stop = schedule(sig, now, self.config.shutdown_timeout, save=bool(savers))
         self.stopper = Stopper(stop, self.job_workers, self.abandon, self.log, self.console, self.run_dir, savers,
-                               self.config.node_rank)
+                               self.config.node_rank, copies)
 
     def stopping(self) -> bool:
         """Whether the attempt is being stopped."""
@@ -560,8 +561,8 @@ class Agent:
                 self.console.notice(f"ftrun: received {signal_name(sig)} again: {why}")
             if act is OnSignal.KILL:
                 self.stop_all(signal.SIGKILL)
-            elif act is OnSignal.SAVE_THEN_STOP:
-                self._stop(sig, time.monotonic(), self._savers())
+            elif act is OnSignal.SAVE_THEN_STOP:  # copies of shards only where a member may be lost
+                self._stop(sig, time.monotonic(), self._savers(), copies=self.coordination.recovering)
             else:
                 self.stop_all(sig)
 

@@ -441,4 +441,4 @@ class Leader:
         live = [w for w in [*self.local.live(), *self.remote_workers()] if w.uid in self.members.adopted]
         self.rescue = Rescue(reason, time.monotonic() + RESCUE_TIMEOUT, {w.uid for w in live})
         for worker in live:
-            worker.send(protocol.encode(protocol.SAVE))
+            worker.send(protocol.encode(protocol.SAVE, copies=True))  # a member was lost: its shard

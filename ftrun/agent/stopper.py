@@ -27,11 +27,12 @@ class Stopper:
     :data:`~ftrun.agent.shutdown.KILL_WAIT` seconds after SIGKILL. ``savers`` (the live workers that use the
     worker API, on a preemption) are asked to write their last committed state to ``<run dir>/rescue`` first.
     ``node``: this node's rank; only node 0's line says how to resume (``--resume-from`` reads node 0's).
+    ``copies``: sharded state also saves its copies of other ranks' shards (a member may be lost).
     """
 
     def __init__(self, stop: StopSchedule, workers: Callable[[], list[WorkerHandle]],
                  abandon: Callable[[WorkerHandle, float], None], log: EventSink, notices: Notices,
-                 run_dir: Path, savers: Sequence[WorkerHandle] = (), node: int = 0) -> None:
+                 run_dir: Path, savers: Sequence[WorkerHandle] = (), node: int = 0, copies: bool = False) -> None:
         self.stop = stop
         self.node = node
         self.workers = workers
@@ -44,7 +45,7 @@ class Stopper:
         self.errors: dict[int, str] = {}  # uid -> why it could not
         self.phase: Phase | None = None
         for worker in savers:
-            worker.send(protocol.encode(protocol.SAVE))
+            worker.send(protocol.encode(protocol.SAVE, copies=copies))
         self.tick(stop.began)
 
     @property

@@ -44,15 +44,16 @@ def path_of(directory: Path, index: int) -> Path:
     return directory / "shards" / f"{index}.pt"
 
 
-def write(redundancy: Redundancy, directory: Path) -> int:
-    """Write the complete copies of committed steps ``redundancy`` holds to ``directory``; the newest step of
+def write(redundancy: Redundancy, directory: Path, copies: bool) -> int:
+    """Write the complete snapshots of committed steps ``redundancy`` holds of its own shard (with ``copies``, also
+    its copies of its giver's: a rank may be lost, its shard in those only) to ``directory``; the newest step of
     its own shard written, or -1 when it holds none (no step copied yet, or ``refresh_every`` 0): nothing is
     written then. The caller holds the state lock (no refresh overwrites a copy meanwhile); OSError when the
     file cannot be written (a full disk)."""
     own = [slot for slot in redundancy.own if slot.step >= 0]
     if not own:
         return -1
-    buddy = [slot for slot in redundancy.buddy if slot.step >= 0]
+    buddy = [slot for slot in redundancy.buddy if slot.step >= 0] if copies else []
     save_atomically({"index": redundancy.index, "world": redundancy.world, "layout_gen": redundancy.layout_gen,
                      "stride": redundancy.stride, "layout": redundancy.layout.to_list(),
                      "own": [{"step": s.step, "skeleton": s.skeleton, "data": s.buffer} for s in own],

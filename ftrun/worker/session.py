@@ -78,7 +78,7 @@ class Session:
         self.members: list[int] = []  # the uids of generation ``gen``, in rank order
         self._cond = threading.Condition()
         self._state_lock = threading.Lock()  # held while the state changes: a rescue never sees half of it
-        self._saved: tuple[tuple[int, tuple[int, ...]], int] | None = None  # the last save: of what, which step
+        self._saved: tuple[tuple[int, tuple[int, ...], bool], int] | None = None  # the last save: of what, its step
         self._latest: Plan | None = None
         self._considered = 0  # newest plan generation looked at by recovery
         self._plan_received = time.time()
@@ -306,7 +306,8 @@ class Session:
         if self._drills.on_message(message):
             return
         if message.get("t") == protocol.SAVE:
-            threading.Thread(target=self._save_rescue, name="ftrun-rescue", daemon=True).start()
+            threading.Thread(target=self._save_rescue, args=(message["copies"],), name="ftrun-rescue",
+                             daemon=True).start()
         if message.get("t") != protocol.PLAN:
             return
         plan = Plan.from_message(message)
@@ -319,29 +320,30 @@ class Session:
         self.planes.abort(plan.gen)
         self.collectives.complete(pending)
 
-    def _save_rescue(self) -> None:
+    def _save_rescue(self, copies: bool) -> None:
         """The agent asks (before a group restart, or as ftrun is stopped): keep this worker's last committed
-        state; a state that cannot be written (a full disk) is answered with the reason.
+        state (sharded state: with ``copies``, with the copies it holds of its giver's shard); a state that
+        cannot be written (a full disk) is answered with the reason.
 
         On a thread of its own: a state transfer may hold the state lock, and the channel thread must
         stay free to deliver plans meanwhile.
         """
         with self._state_lock:
             step = self.committed_step
-            copies = tuple(slot.step for slot in self.redundancy.own) if self.redundancy is not None else ()
-            if self._saved is not None and self._saved[0] == (step, copies):  # asked by its agent and the leader
+            held = tuple(slot.step for slot in self.redundancy.own) if self.redundancy is not None else ()
+            if self._saved is not None and self._saved[0] in ((step, held, copies), (step, held, True)):  # asked twice
                 self.channel.send(protocol.SAVED, step=self._saved[1])
                 return
             try:
                 if self.redundancy is not None:  # its copies of committed steps: the live state may be mid-step
-                    written = saved_shards.write(self.redundancy, self._rescue_dir)
+                    written = saved_shards.write(self.redundancy, self._rescue_dir, copies)
                 else:
                     save_rescue(self.protected, step, self._rescue_dir / f"{self.uid}.pt")
                     written = step
             except Exception as exc:  # a full disk, or state pickle refuses: the agent waits for the answer
                 self.channel.send(protocol.SAVED, step=step, error=(str(exc).splitlines() or [repr(exc)])[0])
                 return
-            self._saved = ((step, copies), written)
+            self._saved = ((step, held, copies), written)
         self.channel.send(protocol.SAVED, step=written)
 
     def _restore_rescue(self) -> None:

@@ -28,7 +28,7 @@ def holder(index: int = 1, world: int = 4, stride: int = 1, own: tuple = (7, 6),
 
 
 def test_a_rank_writes_its_complete_copies_and_reads_back_what_it_tells_its_peers(tmp_path):
-    assert saved_shards.write(holder(), tmp_path) == 7
+    assert saved_shards.write(holder(), tmp_path, copies=True) == 7
     back = saved_shards.read(tmp_path, 1)
     assert back.holding == Holding(INVALID, 1, 4, (7, 6), (7, INVALID), 3, 1)
     assert back.layout == LAYOUT and [s.step for s in back.own] == [7, 6] and [s.step for s in back.buddy] == [7]
@@ -37,8 +37,13 @@ def test_a_rank_writes_its_complete_copies_and_reads_back_what_it_tells_its_peer
 
 
 def test_a_rank_with_no_copy_of_a_committed_step_writes_nothing(tmp_path):
-    assert saved_shards.write(holder(own=(-1, INVALID)), tmp_path) == -1  # only the initial state copied
+    assert saved_shards.write(holder(own=(-1, INVALID)), tmp_path, copies=True) == -1  # only the initial state
     assert not (tmp_path / "shards").exists()
+
+
+def test_without_copies_a_rank_writes_its_own_shards_snapshots_only(tmp_path):
+    assert saved_shards.write(holder(), tmp_path, copies=False) == 7
+    assert saved_shards.read(tmp_path, 1).holding == Holding(INVALID, 1, 4, (7, 6), (INVALID, INVALID), 3, 1)
 
 
 def bad_files():
