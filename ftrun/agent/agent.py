@@ -34,6 +34,7 @@ from ftrun.agent.node_links import NodeLinks, await_followers, say_ended, start_
 from ftrun.agent.nodes import RemoteNodes, Takeover
 from ftrun.agent.pool import CHANNEL, EXIT, OUTPUT, WorkerPool
 from ftrun.agent.restarts import GroupRestarts
+from ftrun.agent.run_links import link_path, link_under_leader
 from ftrun.agent.ports import Coordination, WorkerHandle
 from ftrun.agent.shutdown import OnSignal, on_signal, schedule
 from ftrun.agent.status_record import RunInfo, StatusPublisher
@@ -44,10 +45,10 @@ from ftrun.config import Endpoint, LaunchConfig
 from ftrun.console import Console
 from ftrun.errors import EXIT_OK, EXIT_SIGNAL_BASE, EXIT_WORKERS_FAILED, UsageError
 from ftrun.events import EventLog
-from ftrun.flag_values import resumed_rescue
+from ftrun.flag_values import holds_saved_state, resumed_rescue
 from ftrun.nccl import startup_notices
 from ftrun.processes import SignalWake, signal_name
-from ftrun.store.auth import Seal, write_secret_file
+from ftrun.store.auth import MalformedValue, Seal, write_secret_file
 from ftrun.store.etcd_config import answering
 from ftrun.store.host import StoreHost
 from ftrun.store.job import JobStore
@@ -161,6 +162,7 @@ class Agent:
         if self.links is not None:
             self.links.stop()
             if not self.leader:
+                self._link_saved_state()  # before it says it ended: node 0's store answers until then
                 say_ended(self.config, self.access)
         self.access.close()  # the store's process ends
         if self.registered is not None:
@@ -168,6 +170,20 @@ class Agent:
         os.close(mail_r)
         os.close(mail_w)
         self.log.close()
+
+    def _link_saved_state(self) -> None:
+        """A follower that saved state links its run directory under node 0's (scheduler mode, where each node
+        names its own), so that `--resume-from <node 0's run dir>` finds this node's state there."""
+        if self.store is None or not holds_saved_state(self.run_dir / "rescue"):
+            return
+        try:
+            link = link_path(self.store.read_job(0), self.config.node_rank, self.run_dir)
+        except (RuntimeError, MalformedValue):  # node 0's store is gone, or says nothing readable
+            return
+        why = link_under_leader(link, self.run_dir) if link is not None else None
+        if why is not None:
+            self.console.notice(f"ftrun: node {self.config.node_rank}: cannot link {link} to {self.run_dir} ({why}): "
+                                "copy it there, or `--resume-from` on this node reads node 0's state", style="yellow")
 
     def _register(self) -> Path | None:
         """Enter this launch in the run registry; a registry that cannot be written (a full disk) is said once."""

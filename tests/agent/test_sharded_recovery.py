@@ -195,16 +195,22 @@ def committed_everywhere(proc: subprocess.Popen, logs: Path, step: int) -> None:
         time.sleep(0.05)  # polling the workers' logs: they wait before the next step until the state is saved
 
 
-def test_a_stop_of_node_0_alone_asks_the_other_nodes_workers_to_save_too(
-        launcher_env, workload, free_port, secret_file, tmp_path):
+def test_a_stop_of_node_0_alone_saves_every_nodes_shards_and_a_scheduler_mode_resume_finds_them(
+        launcher_env, workload, free_port, secret_file, tmp_path, fsdp_baseline):
     # Scheduler mode, where only node 0's ftrun gets the signal: its agent asks node 1's workers to save as well
     # (each writes to its own node's run directory), and signals them once they have (node 1's were signalled
-    # unsaved: one shard is no state, and sharded state could not resume)
+    # unsaved: one shard is no state, and sharded state could not resume). Each node logs under a directory of
+    # its own, as on two hosts; node 1 links its run directory under node 0's, where --resume-from finds it.
     env = {**launcher_env, "FTRUN_SECRET_FILE": secret_file, "EXAMPLE": "train_fsdp", "AWAIT": f"{SAVED + 1}:rescue"}
-    common = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--nproc-per-node", "2", *NO_WATCHDOG]
-    node1, node0 = (subprocess.Popen([*FTRUN, *common, "--node-rank", str(node), "--log-dir", str(tmp_path / f"node{node}"),
-                                      workload("await_train.py"), *TRAINING], env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True) for node in (1, 0))
+
+    def start(node: int, port: int, logs: Path, script: str, *flags: str) -> subprocess.Popen:
+        return subprocess.Popen([*FTRUN, "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--nproc-per-node",
+                                 "2", "--node-rank", str(node), "--log-dir", str(logs / f"node{node}"), *flags,
+                                 workload(script), *TRAINING], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    port = free_port()
+    node1, node0 = (start(node, port, tmp_path, "await_train.py", *NO_WATCHDOG) for node in (1, 0))
     try:
         committed_everywhere(node0, tmp_path, SAVED)
         node0.send_signal(signal.SIGTERM)
@@ -223,6 +229,20 @@ def test_a_stop_of_node_0_alone_asks_the_other_nodes_workers_to_save_too(
     assert sorted(p.name for p in (leader.run_dir / "rescue" / "shards").iterdir()) == ["0.pt", "1.pt"], why
     (node1_dir,) = (tmp_path / "node1").glob("*/node1")
     assert sorted(p.name for p in (node1_dir / "rescue" / "shards").iterdir()) == ["2.pt", "3.pt"], why
+    assert (leader.run_dir / "node1").resolve() == node1_dir.resolve(), why  # linked as node 1's agent ended
+
+    del env["AWAIT"]
+    again, port = tmp_path / "again", free_port()
+    node1, node0 = (start(node, port, again, "faulty_train.py", "--resume-from", str(leader.run_dir)) for node in (1, 0))
+    (out1, err1), (out0, err0) = (node.communicate(timeout=TIMEOUT) for node in (node1, node0))
+    why = f"--- node 0\n{err0[-3000:]}\n--- node 1\n{err1[-3000:]}"
+    assert (node0.returncode, node1.returncode) == (0, 0), why
+    assert f"ftrun: resuming from the state of step {SAVED} saved in {leader.run_dir / 'rescue'}" in err0, why
+    commits = {**Run(0, out0, err0, [], again).commits(), **Run(0, out1, err1, [], again).commits()}
+    assert set(commits) == {0, 1, 100000, 100001}, why
+    for uid, steps in commits.items():
+        assert [c.step for c in steps] == list(range(SAVED + 1, STEPS)), f"uid {uid}\n{why}"
+        assert all(c.world == 4 and c.loss == pytest.approx(fsdp_baseline[c.step], rel=RTOL) for c in steps), why
 
 
 def test_a_sharded_job_on_two_hosts_stopped_then_resumed_goes_on_everywhere_from_each_hosts_own_shards(
