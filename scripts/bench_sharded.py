@@ -18,6 +18,11 @@ Every run is ftrun with 4 CPU workers (``--standalone --nproc-per-node 4``) over
   with a ``torch.distributed.checkpoint`` of every rank's shards every ``--ckpt-every`` steps, from which the
   restarted group resumes. Reported: from the kill to the first step committed after it (the worker's
   ``t=``), steps computed again, and ftrun's own latency (its "recovery" event: fault seen to first step).
+* Preemption (``--preemptions`` runs each, over the same workload): the launcher gets SIGTERM once step
+  ``--kill-at`` is committed, then the job is launched again to resume: ftrun with ``--resume-from`` (each
+  rank saved its shard's copies as it stopped), torchrun from the latest DCP checkpoint. Reported: the stop
+  (SIGTERM to the launcher's exit), the bytes ftrun saved, the new launch to its first committed step, and
+  the steps computed again (committed before the stop, computed anew after it).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_recovery import TRAIN_LINE, recovery_event
-from bench_runs import command_line, ended, lines, machine, start, stop, worker_with_rank
+from bench_runs import command_line, ended, ftrun_run_dir, lines, machine, start, stop, worker_with_rank
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMED = ROOT / "scripts" / "bench_workloads" / "timed_fsdp.py"
@@ -57,6 +62,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--kill-at", type=int, default=30, help="Kill RANK 1 once this step is committed (30).")
     parser.add_argument("--ckpt-every", type=int, default=20, help="torchrun's checkpoint interval in steps (20).")
     parser.add_argument("--width", type=int, default=1024, help="The MLP's width (1024: 4 layers, 4.2 M params).")
+    parser.add_argument("--preemptions", type=int, default=1, help="Preemption drills per launcher (1).")
     parser.add_argument("--timeout", type=float, default=300.0, help="Seconds one run may take (300).")
     return parser.parse_args()
 
@@ -125,10 +131,56 @@ def follow(run: Any, restarts: bool, args: argparse.Namespace) -> dict[str, Any]
     raise ended(run)
 
 
+def preemption(launcher: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """SIGTERM the launcher once step --kill-at is committed, then launch the job again to resume it."""
+    with tempfile.TemporaryDirectory(prefix="bench_sharded_") as ckpt_dir:
+        command = [str(TRAIN), "--steps", "100000", "--width", str(args.width), "--ckpt-every", str(args.ckpt_every),
+                   "--ckpt-dir", ckpt_dir]
+        first = start([*launcher, *command])
+        try:
+            last, signalled, run_dir = -1, None, None
+            for _, line in lines(first, args.timeout):
+                match = TRAIN_LINE.search(line)
+                if match:
+                    last = int(match[1])
+                if signalled is None and last >= args.kill_at:
+                    run_dir = ftrun_run_dir(first.proc.pid)
+                    signalled = time.perf_counter()
+                    first.proc.send_signal(signal.SIGTERM)
+            if signalled is None:
+                raise ended(first)
+            first.proc.wait(args.timeout)
+            stopped = time.perf_counter() - signalled
+        finally:
+            stop(first)
+        saved = sum(p.stat().st_size for p in run_dir.glob("rescue/shards/*.pt")) if run_dir else 0
+        resume = ["--resume-from", str(run_dir)] if run_dir else []
+        again = start([*launcher, *resume, *command])
+        try:
+            for stamp, line in lines(again, args.timeout):
+                match = TRAIN_LINE.search(line)
+                if match:
+                    return {"stop": stopped, "saved": saved, "first_step": stamp - again.started,
+                            "again": max(0, last - int(match[1]) + 1)}
+            raise ended(again)
+        finally:
+            stop(again)
+
+
 def main() -> None:
     args = parse_args()
     print(f"bench_sharded: {machine()}; examples/train_fsdp.py --width {args.width}, 4 workers")
     print(command_line())
+    if args.runs:
+        report_step_times(args)
+    if args.drills:
+        report_drills(args)
+    if args.preemptions:
+        report_preemptions(args)
+
+
+def report_step_times(args: argparse.Namespace) -> None:
+    """The step time with copies every step, every 10 steps and none; the extra host memory."""
     configs = {"none (--refresh-every 0)": 0, "every step": 1, "every 10 steps": 10}
     times: dict[str, list[float]] = {name: [] for name in configs}
     spent: dict[str, list[float]] = {name: [] for name in configs}
@@ -152,8 +204,10 @@ def main() -> None:
     if extra is not None:
         print(f"\nextra host memory on rank 0: {extra / 2**20:.1f} MiB = 4 x its shard of model + AdamW state "
               f"({extra / 4 / 2**20:.1f} MiB): 2 snapshots of its own, 2 copies of its buddy's")
-    if not args.drills:
-        return
+
+
+def report_drills(args: argparse.Namespace) -> None:
+    """Recovery from the SIGKILL of RANK 1: ftrun with a spare, ftrun shrinking, torchrun from its checkpoint."""
     print(f"\nrecovery from SIGKILL of RANK 1 after step {args.kill_at} (kill -> next committed step, median):")
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in DRILLS}
     for _ in range(args.drills):
@@ -163,6 +217,18 @@ def main() -> None:
         own = [r["own"] for r in drills if r["own"] is not None]
         print(f"  {name:36s} {statistics.median(r['latency'] for r in drills):7.2f} s   steps computed again "
               f"{[r['again'] for r in drills]}" + (f"   ftrun's event {statistics.median(own):.2f} s" if own else ""))
+
+
+def report_preemptions(args: argparse.Namespace) -> None:
+    """A preemption and the launch that resumes: ftrun from its saved shards, torchrun from its checkpoint."""
+    print(f"\npreemption: SIGTERM to the launcher after step {args.kill_at}, then a new launch resumes (median):")
+    for name, launcher in {"ftrun, its saved shards (--resume-from)": FTRUN,
+                           "torchrun, the latest DCP checkpoint": TORCHRUN}.items():
+        runs = [preemption(launcher, args) for _ in range(args.preemptions)]
+        print(f"  {name:40s} stop {statistics.median(r['stop'] for r in runs):5.2f} s (saved "
+              f"{statistics.median(r['saved'] for r in runs) / 2**20:6.1f} MiB)   new launch to its first step "
+              f"{statistics.median(r['first_step'] for r in runs):5.2f} s   steps computed again "
+              f"{[r['again'] for r in runs]}")
 
 
 if __name__ == "__main__":

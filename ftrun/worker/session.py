@@ -210,7 +210,8 @@ class Session:
             else:
                 self._restore_rescue()
                 self._start_together()
-            self._refresh()
+            with self._state_lock:
+                self._refresh()
         step = self.committed_step + 1
         try:
             while step < total:
@@ -266,24 +267,23 @@ class Session:
         if not ok:
             optimizer.zero_grad(set_to_none=True)
             return None
-        with self._state_lock:
+        with self._state_lock:  # a rescue sees the committed step with its snapshot (if one is due), or neither
             optimizer.step()
             self.committed_step = self._step
+            if self.progress is not None:  # committed: the agent learns it before the work that follows a commit
+                self.progress.committed(self.gen, self._step, time.monotonic() - self._step_started)
+            self._refresh()
         optimizer.zero_grad(set_to_none=True)
-        if self.progress is not None:  # committed: the agent learns it before the work that follows a commit
-            self.progress.committed(self.gen, self._step, time.monotonic() - self._step_started)
-        self._refresh()
         self._ddps.rebuild_buckets()
         if self.planes is not None and self.planes.stale:
             self._release_stale()
         return total
 
     def _refresh(self) -> None:
-        """Start copying the sharded state of the committed step to the buddy, if this step is due (under the
-        state lock: a rescue never saves a copy being overwritten)."""
+        """Snapshot the sharded state of the committed step and start copying it to the buddy, if this step is
+        due. The caller holds the state lock: a rescue never saves a snapshot being overwritten."""
         if self.redundancy is not None and self.redundancy.due(self.committed_step):
-            with self._state_lock:
-                self.redundancy.refresh(self.committed_step, self.planes.control)
+            self.redundancy.refresh(self.committed_step, self.planes.control)
 
     def _backend_error(self) -> str | None:
         """A failure the data plane's backend recorded in this step (NCCL's watchdog), under ftrun only."""
