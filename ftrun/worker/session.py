@@ -403,6 +403,7 @@ class Session:
             with self._state_lock, _state_from(sender):
                 if saved is not None:
                     self.redundancy.adopt(saved.layout, saved.holding, saved.own, saved.buddy)
+                self.committed_step = INVALID_STEP  # until loaded whole: a recovery never takes it half loaded
                 try:
                     self.redundancy.restore(choice, self.planes.control, self.gen, self.members, sender)
                 except (CollectiveFailed, LinkFailure, dist.DistError, transfer.MalformedState):
