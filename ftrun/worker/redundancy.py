@@ -226,11 +226,11 @@ class Redundancy:
         return Holding(committed, self.index, self.world, steps(self.own), steps(self.buddy), self.layout_gen,
                        self.stride)
 
-    def adopt(self, layout: Layout, holding: Holding, own: list[Slot], buddy: list[Slot]) -> None:
-        """Hold the copies read back from disk (:mod:`ftrun.worker.saved_shards`) as this rank's, in their
-        layout, for :meth:`restore` to send from."""
-        self.layout, self.index, self.world = layout, holding.index, holding.world
-        self.layout_gen, self.stride, self.own, self.buddy = holding.layout_gen, holding.stride, own, buddy
+    def adopt(self, layout: Layout, own: list[Slot], buddy: list[Slot]) -> None:
+        """Hold the copies read back from disk (:mod:`ftrun.worker.saved_shards`) as this rank's, for
+        :meth:`restore` to send from: two slots of each kind per file read, and the layout of the files it
+        sends from."""
+        self.layout, self.own, self.buddy = layout, own, buddy
 
     def restore(self, choice: Choice, control: dist.ProcessGroup, gen: int, members: list[int],
                 sender: int = 0) -> None:

@@ -62,6 +62,23 @@ def write(redundancy: Redundancy, directory: Path, copies: bool) -> int:
     return max(slot.step for slot in own)
 
 
+def read_for(directory: Path, rank: int, world: int) -> list[Saved]:
+    """What rank ``rank`` of a world of ``world`` reads in ``directory``: the files of shards ``rank``,
+    ``rank + world``, ... there (a save by more ranks than the world resuming it spreads over them)."""
+    names = (path.stem for path in (directory / "shards").glob("*.pt"))
+    indices = sorted(int(name) for name in names if name.isascii() and name.isdigit() and len(name) < 8)
+    found = (read(directory, index) for index in indices if index % world == rank and index < MAX_WORLD)
+    return [saved for saved in found if saved is not None]
+
+
+def slots_of(saved: list[Saved]) -> tuple[list[Slot], list[Slot]]:
+    """The own and buddy slots of every file read, two of each per file (an absent one empty), in the order
+    :func:`~ftrun.worker.shards.choose_saved` counts them."""
+    def two(slots: list[Slot]) -> list[Slot]:
+        return slots + [Slot(torch.empty(0, dtype=torch.uint8)) for _ in range(2 - len(slots))]
+    return [s for one in saved for s in two(one.own)], [s for one in saved for s in two(one.buddy)]
+
+
 def read(directory: Path, index: int) -> Saved | None:
     """What the holder of shard ``index`` saved in ``directory``, or None: no such file, or one line on stderr
     says why the file there is not one to start from."""

@@ -382,27 +382,26 @@ class Session:
 
     def _start_sharded(self) -> None:
         """Every rank starts from the newest step of sharded state whose every shard the previous attempt (or the
-        launch --resume-from names) saved, if any: each rank reads its own shard's file, and the ranks send
-        each other the bytes of the new shards, as at a recovery."""
+        launch --resume-from names) saved, if any: each rank reads its shard's file (a world smaller than the
+        one that saved: several), and the ranks send each other the bytes of the new shards, as at a recovery."""
         source = os.environ.get("FTRUN_RESCUE_FROM", "")
-        saved = saved_shards.read(Path(source), self.rank) if source else None
-        mine = saved.holding if saved is not None else NOTHING
+        saved = saved_shards.read_for(Path(source), self.rank, self.world_size) if source else []
+        mine = [one.holding for one in saved]
         deadline = time.monotonic() + self.recovery_timeout
         try:
-            holdings = self._gather_holdings(mine, deadline) if self.world_size > 1 else [mine]
-            picked = choose_saved(holdings)
+            read = self._gather_saved(mine, deadline) if self.world_size > 1 else [mine]
+            picked = choose_saved(read)
             if picked is None:
-                worlds = [h.world for h in holdings if h.index >= 0]
-                if self.rank == 0 and worlds:
+                if self.rank == 0 and any(read):
                     print(f"ftrun: the sharded state saved in {source} does not hold every shard of any step here "
-                          f"(saved by {max(worlds)} ranks; rank r reads shards/r.pt on its own node, so a launch "
-                          "resumes it on as many ranks or more, on the same nodes): the workers start from scratch "
-                          "(step 0)", file=sys.stderr, flush=True)
+                          "(rank r reads shards/r.pt, and r + world..., on its own node): the workers start from "
+                          "scratch (step 0)", file=sys.stderr, flush=True)
                 return
             choice, sender = picked
             with self._state_lock, _state_from(sender):
-                if saved is not None:
-                    self.redundancy.adopt(saved.layout, saved.holding, saved.own, saved.buddy)
+                if saved:  # the sender's layout is that of the files it sends from
+                    mine_sent = [s.slot // 2 for s in choice.sources.values() if s.rank == self.rank]
+                    self.redundancy.adopt(saved[min(mine_sent, default=0)].layout, *saved_shards.slots_of(saved))
                 self.committed_step = INVALID_STEP  # until loaded whole: a recovery never takes it half loaded
                 try:
                     self.redundancy.restore(choice, self.planes.control, self.gen, self.members, sender)
@@ -542,11 +541,25 @@ class Session:
 
     def _gather_holdings(self, holding: Holding, deadline: float) -> list[Holding]:
         """Every rank's holding of sharded state, in rank order (an all-gather on the control plane)."""
-        mine = torch.tensor(holding.to_list(), dtype=torch.int64)
+        return [Holding.from_list(values) for values in self._gather_ints(holding.to_list(), deadline)]
+
+    def _gather_saved(self, mine: list[Holding], deadline: float) -> list[list[Holding]]:
+        """What every rank read of the saved shards, in rank order: how many files each, then their holdings."""
+        most = max(count for (count,) in self._gather_ints([len(mine)], deadline))
+        if not most:
+            return [[] for _ in range(self.world_size)]
+        padded = [value for holding in [*mine, *[NOTHING] * (most - len(mine))] for value in holding.to_list()]
+        width = len(NOTHING.to_list())
+        return [[h for h in (Holding.from_list(values[i:i + width]) for i in range(0, len(values), width))
+                 if h.index >= 0] for values in self._gather_ints(padded, deadline)]
+
+    def _gather_ints(self, values: list[int], deadline: float) -> list[list[int]]:
+        """Every rank's ``values`` (as many on every rank), in rank order: an all-gather on the control plane."""
+        mine = torch.tensor(values, dtype=torch.int64)
         held = [torch.zeros_like(mine) for _ in range(self.world_size)]
         control = self.planes.control
         self.collectives.wait(self.collectives.issue(lambda: control.allgather([held], [mine])), deadline)
-        return [Holding.from_list(t.tolist()) for t in held]
+        return [t.tolist() for t in held]
 
     def _restore_sharded(self, choice: Choice, plan: Plan) -> None:
         """Move the chosen copies into the new shards, rebuild the objects over this world and load them;

@@ -195,21 +195,26 @@ def choose(holdings: list[Holding]) -> Choice | None:
     return None
 
 
-def choose_saved(holdings: list[Holding]) -> tuple[Choice, int] | None:
-    """:func:`choose` over what the ranks read from saved shards (their own shard's snapshots and their copies of
-    their giver's, no live state), and the rank that sends the layout and the state's other values: the first
-    that holds its own shard's snapshot of the chosen step. Only the save with the newest step counts: a
-    directory may keep an older save's shards, of another world. None when no step is whole."""
-    saved = [h for h in holdings if h.index >= 0]
+def choose_saved(read: list[list[Holding]]) -> tuple[Choice, int] | None:
+    """:func:`choose` over what the ranks read from saved shards, ``read[r]`` rank ``r``'s: one holding per file
+    (a shard's snapshots and the copies of its giver's, no live state; a rank of a smaller world than the one
+    that saved reads several), and the rank that sends the layout and the state's other values: the first
+    holding a shard's own snapshot of the chosen step. A source's ``slot`` counts two per file read, in order.
+    Only the save with the newest step counts: a directory may keep an older save's shards, of another world.
+    None when no step is whole."""
+    files = [(rank, k, holding) for rank, holdings in enumerate(read) for k, holding in enumerate(holdings)]
+    saved = [h for _, _, h in files if h.index >= 0]
     if not saved:
         return None
     newest = max(saved, key=lambda h: max(*h.own, *h.buddy))
     key = (newest.layout_gen, newest.world, newest.stride)
-    held = [h if (h.layout_gen, h.world, h.stride) == key else NOTHING for h in holdings]
-    while (choice := choose(held)) is not None:
+    held = [h if (h.layout_gen, h.world, h.stride) == key else NOTHING for _, _, h in files]
+    while (choice := choose(held)) is not None:  # over the files, each as if a rank
         owners = [source.rank for source in choice.sources.values() if source.kind == OWN]
         if owners:
-            return choice, min(owners)
+            sources = {shard: Source(files[s.rank][0], s.kind, files[s.rank][1] * 2 + s.slot)
+                       for shard, s in choice.sources.items()}
+            return Choice(choice.step, choice.world, sources), files[min(owners)][0]
         held = [_without(h, choice.step) for h in held]  # no skeleton of that step: an older one
     return None
 

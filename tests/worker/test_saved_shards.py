@@ -36,6 +36,17 @@ def test_a_rank_writes_its_complete_copies_and_reads_back_what_it_tells_its_peer
     assert saved_shards.read(tmp_path, 2) is None  # nothing saved for shard 2: no line either
 
 
+def test_a_rank_reads_the_shards_its_place_in_a_smaller_world_gives_it(tmp_path):
+    for index in range(4):
+        saved_shards.write(holder(index=index), tmp_path, copies=False)
+    (tmp_path / "shards" / "x.pt").write_bytes(b"")  # not a shard's name: not read
+    assert [s.holding.index for s in saved_shards.read_for(tmp_path, 1, 2)] == [1, 3]
+    assert [s.holding.index for s in saved_shards.read_for(tmp_path, 2, 6)] == [2]
+    assert saved_shards.read_for(tmp_path, 5, 6) == [] and saved_shards.read_for(tmp_path / "none", 0, 1) == []
+    own, buddy = saved_shards.slots_of(saved_shards.read_for(tmp_path, 0, 2))
+    assert [s.step for s in own] == [7, 6, 7, 6] and [s.step for s in buddy] == [INVALID] * 4
+
+
 def test_a_rank_with_no_copy_of_a_committed_step_writes_nothing(tmp_path):
     assert saved_shards.write(holder(own=(-1, INVALID)), tmp_path, copies=True) == -1  # only the initial state
     assert not (tmp_path / "shards").exists()

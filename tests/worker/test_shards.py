@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from ftrun.worker import redundancy
-from ftrun.worker.shards import (BUDDY, INVALID, LIVE, NOTHING, OWN, Choice, Holding, Layout, Leaf, Source, buddy_stride,
+from ftrun.worker.shards import (BUDDY, INVALID, LIVE, OWN, Choice, Holding, Layout, Leaf, Source, buddy_stride,
                                  choose, choose_saved, chunk_rows, moves)
 
 pytestmark = pytest.mark.fast
@@ -116,6 +116,9 @@ def test_survivors_whose_states_are_in_different_layouts_are_not_mixed():
     assert choose(held) is None
 
 
+INVALID_PAIR = (INVALID, INVALID)
+
+
 def saved(index: int, own: tuple[int, int], buddy: tuple[int, int], world: int = 4, layout_gen: int = 0) -> Holding:
     """What a rank read back from shard ``index``'s file: copies only, no live state."""
     return Holding(INVALID, index, world, own, buddy, layout_gen)
@@ -123,32 +126,42 @@ def saved(index: int, own: tuple[int, int], buddy: tuple[int, int], world: int =
 
 def test_ranks_saved_a_step_apart_resume_at_the_step_they_all_hold_and_a_rank_with_its_snapshot_sends_the_layout():
     # ranks 0 and 2 were stopped after committing 7, ranks 1 and 3 before: each kept the step before its last too
-    held = [saved(0, (7, 6), (7, 6)), saved(1, (6, 5), (7, 6)), saved(2, (7, 6), (6, 5)), saved(3, (6, 5), (7, 6))]
-    choice, sender = choose_saved(held)
+    read = [[saved(0, (7, 6), (7, 6))], [saved(1, (6, 5), (7, 6))], [saved(2, (7, 6), (6, 5))],
+            [saved(3, (6, 5), (7, 6))]]
+    choice, sender = choose_saved(read)
     assert choice.step == 6 and choice.sources == {i: Source(i, OWN, 1 if i % 2 == 0 else 0) for i in range(4)}
     assert sender == 0
 
 
 def test_a_shard_whose_rank_died_comes_from_its_buddys_saved_copy_and_the_new_ranks_beyond_hold_nothing():
-    held = [saved(0, (4, 3), (4, 3)), saved(1, (4, 3), (4, 3)), NOTHING, saved(3, (4, 3), (4, 3)), NOTHING, NOTHING]
-    choice, sender = choose_saved(held)
+    read = [[saved(0, (4, 3), (4, 3))], [saved(1, (4, 3), (4, 3))], [], [saved(3, (4, 3), (4, 3))], [], []]
+    choice, sender = choose_saved(read)
     assert (choice.step, choice.world, sender) == (4, 4, 0) and choice.sources[2] == Source(3, BUDDY, 0)
     assert choice.sources[0] == Source(0, OWN, 0)
 
 
-def test_an_older_saves_shards_of_another_world_are_passed_over_and_a_smaller_world_cannot_hold_every_shard():
+def test_a_smaller_world_reads_several_files_a_rank_and_a_sources_slot_counts_two_per_file():
+    # a save of 4 resumed by 2: rank 0 read shards 0 and 2, rank 1 shards 1 and 3
+    read = [[saved(0, (7, 6), (7, 6)), saved(2, (6, 7), (7, 6))], [saved(1, (7, 6), (7, 6)), saved(3, (7, 6), (6, 7))]]
+    choice, sender = choose_saved(read)
+    assert (choice.step, choice.world, sender) == (7, 4, 0)
+    assert choice.sources == {0: Source(0, OWN, 0), 1: Source(1, OWN, 0), 2: Source(0, OWN, 3), 3: Source(1, OWN, 2)}
+
+
+def test_an_older_saves_shards_of_another_world_are_passed_over_and_a_missing_shard_leaves_no_whole_step():
     # shards 0-2 of a save of 3 ranks at step 9, and shard 3 left by an earlier save of 4 ranks at step 4
-    held = [saved(0, (9, 8), (9, 8), 3, 2), saved(1, (9, 8), (9, 8), 3, 2), saved(2, (9, 8), (9, 8), 3, 2),
-            saved(3, (4, 3), (4, 3))]
-    assert choose_saved(held)[0] == Choice(9, 3, {i: Source(i, OWN, 0) for i in range(3)})
-    assert choose_saved([saved(0, (7, 6), (7, 6)), saved(1, (7, 6), (7, 6))]) is None  # 2 ranks read 2 of 4 shards
-    assert choose_saved([NOTHING, NOTHING]) is None  # nothing saved
+    read = [[saved(0, (9, 8), (9, 8), 3, 2)], [saved(1, (9, 8), (9, 8), 3, 2)], [saved(2, (9, 8), (9, 8), 3, 2)],
+            [saved(3, (4, 3), (4, 3))]]
+    assert choose_saved(read)[0] == Choice(9, 3, {i: Source(i, OWN, 0) for i in range(3)})
+    assert choose_saved([[saved(0, (7, 6), INVALID_PAIR)], [saved(1, (7, 6), INVALID_PAIR)], []]) is None  # no 2
+    assert choose_saved([[], []]) is None  # nothing saved
+
 
 
 def test_a_step_held_only_in_buddies_copies_has_no_rank_to_send_its_layout():
     # every rank's own snapshots are older than the copies it holds of its giver's: no skeleton of step 8
-    held = [saved(i, (6, 5), (8, 7)) for i in range(4)]
-    assert choose_saved(held)[0].step == 6
+    read = [[saved(i, (6, 5), (8, 7))] for i in range(4)]
+    assert choose_saved(read)[0].step == 6
 
 
 def flat_shards(layout: Layout, world: int, tensors: dict) -> list[torch.Tensor]:
