@@ -305,7 +305,8 @@ def resume_dir(run_dir: str, node_rank: int = 0) -> Path:
     (:func:`resumed_rescue`); its absolute path."""
     path = Path(run_dir).absolute()
     if not holds_saved_state(resumed_rescue(path, node_rank)):
-        raise UsageError(f"--resume-from {run_dir}: no saved state there (no file {path / 'rescue'}/*.pt): give the "
+        raise UsageError(f"--resume-from {run_dir}: no saved state there (no file {path / 'rescue'}/*.pt nor "
+                         f"{path / 'rescue'}/shards/*.pt): give the "
                          "run directory of a launch that saved its state, as its 'the state of step N is saved' "
                          "line names it")
     return path
