@@ -7,8 +7,9 @@ Each rank holds one shard of the parameters and of AdamW's moments. Under ftrun 
 copied into another rank's host memory after each committed step (``--refresh-every K``: every K steps),
 so a lost shard comes back from there: with a spare the world keeps its size, without one the state is
 re-sharded over the survivors. Stopped (SIGTERM, Ctrl-C), every rank saves its shard's last copies, and
-``ftrun --resume-from <run dir> ...`` resumes from them on any number of ranks. The output is train_ddp.py's: rank 0 prints ``step=<n> loss=<float>`` for
-every committed step and ``final step=<n> loss=<float>`` at the end (the global batch's mean loss).
+``ftrun --resume-from <run dir> ...`` resumes from them on any number of ranks. The output is train_ddp.py's:
+rank 0 prints ``step=<n> loss=<float>`` for every committed step and ``final step=<n> loss=<float>`` at the
+end (the global batch's mean loss).
 """
 
 from __future__ import annotations
