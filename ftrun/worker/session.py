@@ -392,10 +392,11 @@ class Session:
             read = self._gather_saved(mine, deadline) if self.world_size > 1 else [mine]
             picked = choose_saved(read)
             if picked is None:
-                if self.rank == 0 and any(read):
-                    print(f"ftrun: the sharded state saved in {source} does not hold every shard of any step here "
-                          "(rank r reads shards/r.pt, and r + world..., on its own node): the workers start from "
-                          "scratch (step 0)", file=sys.stderr, flush=True)
+                what = ("does not hold every shard of any step here (rank r reads shards/r.pt, and r + world..., "
+                        "on its own node)") if any(read) else "holds no saved shard (shards/<rank>.pt)"
+                if self.rank == 0 and source:
+                    print(f"ftrun: the sharded state saved in {source} {what}: the workers start from scratch "
+                          "(step 0)", file=sys.stderr, flush=True)
                 return
             choice, sender = picked
             with self._state_lock, _state_from(sender):

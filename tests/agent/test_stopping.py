@@ -149,6 +149,16 @@ def test_sigterm_saves_every_shard_of_sharded_state_and_launches_of_other_worlds
             assert all(c.world == world and c.loss == pytest.approx(fsdp_baseline[c.step], rel=RTOL)
                        for c in commits), f"uid {uid}\n{why}"
 
+    # a replicated job's save holds no shard: one line says so, and the sharded job starts from scratch
+    replicated = tmp_path / "replicated"
+    (replicated / "rescue").mkdir(parents=True)
+    (replicated / "rescue" / "0.pt").write_bytes(b"")
+    fresh = run_ftrun("--nproc-per-node", 1, "--resume-from", replicated, workload("faulty_train.py"), "--steps", "2",
+                      env={"EXAMPLE": "train_fsdp"}, timeout=TIMEOUT)
+    assert fresh.returncode == 0 and fresh.stderr.count(f"ftrun: the sharded state saved in {replicated / 'rescue'} "
+                                                        "holds no saved shard") == 1, fresh.stderr
+    assert "step=0 " in fresh.stdout, fresh.stdout
+
 
 def test_resume_from_a_directory_without_saved_state_is_one_line(run_ftrun, workload, tmp_path):
     result = run_ftrun("--resume-from", tmp_path, workload("faulty_train.py"))
