@@ -21,8 +21,7 @@ pytestmark = pytest.mark.fast
 
 PATIENT = 30.0
 """Seconds the tests' own clients give each call, as the torch clients beside them (a loaded machine's handshake
-can take more than the default 5 s: a wait's new connection to the classic server went unanswered for 5 s in a
-fresh-clone CI run); the tests of deadlines give their own."""
+can take more than the default 5 s); the tests of deadlines give their own."""
 
 
 @pytest.fixture(params=[True, False], ids=["libuv", "classic"])
@@ -196,7 +195,7 @@ def test_read_many_deletes_first_then_reads_each_key_or_none(server):
     master, torch_client = server
     torch_client.set("a", b"1")
     torch_client.set("gone", b"x")
-    with StoreClient("127.0.0.1", master.port, PATIENT) as client:
+    with StoreClient("127.0.0.1", master.port, 5.0) as client:
         assert client.read_many(["a", "gone", "never"], deleting=["gone"]) == [b"1", None, None]
         assert client.read_many(["never"]) == [None]
         assert not torch_client.check(["never"])  # reading creates nothing
@@ -205,7 +204,7 @@ def test_read_many_deletes_first_then_reads_each_key_or_none(server):
 @pytest.mark.fast
 def test_wait_any_returns_the_key_that_came_with_its_value_and_keeps_the_other_wait(server):
     master, torch_client = server
-    with StoreClient("127.0.0.1", master.port, PATIENT) as client:
+    with StoreClient("127.0.0.1", master.port, 5.0) as client:
         assert client.wait_any(["bell", "news"], 0.2, fetch=["news"]) == {}
         torch_client.set("news", b"hello")
         assert client.wait_any(["bell", "news"], 5.0, fetch=["news"]) == {"news": b"hello"}
@@ -217,7 +216,7 @@ def test_wait_any_returns_the_key_that_came_with_its_value_and_keeps_the_other_w
 @pytest.mark.fast
 def test_the_wait_for_a_fetched_keys_successor_goes_out_with_the_read(server):
     master, torch_client = server
-    with StoreClient("127.0.0.1", master.port, PATIENT) as client:
+    with StoreClient("127.0.0.1", master.port, 5.0) as client:
         torch_client.set("news/1", b"first")
         assert client.wait_any(["bell", "news/1"], 5.0, fetch=["news/1"], then={"news/1": "news/2"}) == {
             "news/1": b"first"}
@@ -239,7 +238,7 @@ def test_waits_and_calls_work_with_descriptors_past_selects_limit(server):
         resource.setrlimit(resource.RLIMIT_NOFILE, (1200 if hard == resource.RLIM_INFINITY else min(hard, 4096), hard))
     filler = [socket.socket() for _ in range(1100)]  # the connections below get descriptors past 1,023
     try:
-        with StoreClient("127.0.0.1", master.port, PATIENT) as client:
+        with StoreClient("127.0.0.1", master.port, 5.0) as client:
             assert client._sock.fileno() > 1023
             torch_client.set("news", b"hello")
             assert client.wait_any(["bell", "news"], 5.0, fetch=["news"]) == {"news": b"hello"}
@@ -252,7 +251,7 @@ def test_waits_and_calls_work_with_descriptors_past_selects_limit(server):
 @pytest.mark.fast
 def test_a_read_does_not_wake_a_wait_for_the_key_it_reads(server):
     master, _ = server
-    with StoreClient("127.0.0.1", master.port, PATIENT) as waiting, StoreClient("127.0.0.1", master.port, PATIENT) as reader:
+    with StoreClient("127.0.0.1", master.port, 5.0) as waiting, StoreClient("127.0.0.1", master.port, 5.0) as reader:
         assert waiting.wait_any(["next"], 0.1) == {}  # its wait for "next" stays armed
         assert reader.read_many(["next"]) == [None]
         assert waiting.wait_any(["next"], 0.3) == {}  # still nothing: it was not woken
