@@ -46,6 +46,13 @@ def _state_from(source: int) -> Iterator[None]:
         raise SystemExit(f"ftrun: cannot take the state rank {source} sent: {exc}") from None
 
 
+def _cannot_resume(step: int, source: object, exc: BaseException) -> SystemExit:
+    """The one line a worker ends with when the state saved in ``source`` does not load into its objects (another
+    model's, or other names)."""
+    return SystemExit(f"ftrun: cannot resume from the state of step {step} saved in {source}: "
+                      f"{' '.join(str(exc).split())[:300]}")
+
+
 class Recovery:
     """The session's recovery and saved state (see the module's docstring)."""
 
@@ -111,9 +118,7 @@ class Recovery:
                     with self._state_lock:
                         self.committed_step = load_into(best, self.protected)
                 except (RuntimeError, ValueError, KeyError, TypeError) as exc:  # another model's state, or names
-                    why = " ".join(str(exc).split())[:300]
-                    raise SystemExit(f"ftrun: cannot resume from the state of step {best['step']} saved in "
-                                     f"{source}: {why}") from None
+                    raise _cannot_resume(best["step"], source, exc) from None
                 if self.rank == 0:
                     print(f"ftrun: resuming from the state of step {self.committed_step} saved in {source}",
                           file=sys.stderr, flush=True)
@@ -163,8 +168,7 @@ class Recovery:
                 except (CollectiveFailed, LinkFailure, dist.DistError, transfer.MalformedState):
                     raise
                 except (RuntimeError, ValueError, KeyError, TypeError) as exc:  # another model's state
-                    raise SystemExit(f"ftrun: cannot resume from the state of step {choice.step} saved in "
-                                     f"{source}: {' '.join(str(exc).split())[:300]}") from None
+                    raise _cannot_resume(choice.step, source, exc) from None
                 self.committed_step = choice.step
         except (CollectiveFailed, LinkFailure, dist.DistError) as exc:
             self._swallowed = exc
