@@ -26,11 +26,20 @@ can take more than the default 5 s); the tests of deadlines give their own."""
 
 @pytest.fixture(params=[True, False], ids=["libuv", "classic"])
 def server(request):
-    """A real TCPStore server on a free port, and a torch client of it."""
-    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=request.param,
+    """A real TCPStore server on a free port of 127.0.0.1, and a torch client of it.
+
+    The server is given an IPv4 socket of its own, as ftrun's store host gives it: on a socket of its own
+    (both address families) the classic server names each client it accepts by a reverse lookup of
+    ``::ffff:127.0.0.1``, which no hosts file holds, so it asks DNS first, and a resolver that drops one
+    of several queries at once held that server for 5 s (glibc's retry timeout): the test's client, given
+    5 s, timed out in its handshake. 127.0.0.1 is found in the hosts file.
+    """
+    listening = socket.create_server(("127.0.0.1", 0), backlog=64)
+    port = listening.getsockname()[1]
+    master = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, use_libuv=request.param,
+                      master_listen_fd=listening.detach(), timeout=timedelta(seconds=30))  # the server closes it
+    client = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, use_libuv=request.param,
                       timeout=timedelta(seconds=30))
-    client = TCPStore("127.0.0.1", master.port, is_master=False, wait_for_workers=False,
-                      use_libuv=request.param, timeout=timedelta(seconds=30))
     yield master, client
     del client, master
 
