@@ -53,6 +53,7 @@ class AgentProcess:
     lines: dict[int, LineBuffer] = field(default_factory=dict)  # per pipe still open
     exitcode: int | None = None
     ended_at: float = 0.0  # wall clock, when the launcher saw it end
+    dropped: bool = False  # its ssh session was ended by this launcher: the leader had declared the node lost
 
 
 class HostLauncher:
@@ -140,10 +141,11 @@ class HostLauncher:
             for agent in self.agents:
                 if agent.exitcode is None and agent.proc.poll() is not None and not agent.lines:
                     agent.exitcode, agent.ended_at = agent.proc.returncode, time.time()
-                    if not self._agent_ended(agent, stopping is not None):
+                    if not self._agent_ended(agent, stopping is not None or agent.dropped):
                         continue
                     if agent.exitcode == 0 and stopping is None:
                         settling = settling or time.monotonic() + SETTLE_TIMEOUT
+                        self._drop_lost_nodes()
                     else:
                         stopping = stopping or self._stop_agents()
             if settling is not None and stopping is None and time.monotonic() > settling:
@@ -207,23 +209,28 @@ class HostLauncher:
             return received[0]
         return None
 
+    def _drop_lost_nodes(self) -> None:
+        """End the ssh sessions of the nodes the leader declared lost, at once: such a session may hang on a dead
+        link until ssh gives up (the node fenced itself, or is gone). Done as node 0 ends well too, not once
+        the others' settling time is over."""
+        for agent in self.agents:
+            if agent.exitcode is None and not agent.local and not agent.dropped and self.store.is_evicted(agent.node):
+                agent.dropped = True
+                agent.proc.kill()
+
     def _stop_agents(self, sig: int = signal.SIGTERM) -> float:
         """Send ``sig`` (the one this launcher received, else SIGTERM) to every agent still running on this
-        machine; over ssh, close ssh's stdin, and the remote side sends SIGTERM.
-
-        The ssh session of a node the leader declared lost may hang on a dead link until ssh gives up: it
-        is ended at once (that node has fenced itself, or is gone).
-        """
+        machine; over ssh, close ssh's stdin, and the remote side sends SIGTERM (a lost node's session ends
+        at once: :meth:`_drop_lost_nodes`)."""
+        self._drop_lost_nodes()
         for agent in self.agents:
-            if agent.exitcode is not None:
+            if agent.exitcode is not None or agent.dropped:
                 continue
             if agent.local:
                 try:
                     os.killpg(agent.proc.pid, sig)
                 except ProcessLookupError:
                     pass
-            elif self.store.is_evicted(agent.node):
-                agent.proc.kill()
             elif not agent.proc.stdin.closed:
                 agent.proc.stdin.close()
         return time.monotonic() + self.config.shutdown_timeout + 5
