@@ -13,7 +13,6 @@ import os
 import selectors
 import signal
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,8 @@ from ftrun.agent.node_links import NodeLinks, await_followers, say_ended, start_
 from ftrun.agent.nodes import RemoteNodes, Takeover
 from ftrun.agent.pool import CHANNEL, EXIT, OUTPUT, WorkerPool
 from ftrun.agent.restarts import GroupRestarts
-from ftrun.agent.run_links import link_path, link_under_leader
+from ftrun.agent.run_dir import make_run_dir, register_launch, write_run_secret
+from ftrun.agent.run_links import link_saved_state
 from ftrun.agent.ports import Coordination, WorkerHandle
 from ftrun.agent.shutdown import OnSignal, on_signal, schedule
 from ftrun.agent.status_record import RunInfo, StatusPublisher
@@ -45,10 +45,10 @@ from ftrun.config import Endpoint, LaunchConfig
 from ftrun.console import Console
 from ftrun.errors import EXIT_OK, EXIT_SIGNAL_BASE, EXIT_WORKERS_FAILED, UsageError
 from ftrun.events import EventLog
-from ftrun.flag_values import holds_saved_state, resumed_rescue
+from ftrun.flag_values import resumed_rescue
 from ftrun.nccl import startup_notices
 from ftrun.processes import SignalWake, signal_name
-from ftrun.store.auth import MalformedValue, Seal, write_secret_file
+from ftrun.store.auth import Seal
 from ftrun.store.etcd_config import answering
 from ftrun.store.host import StoreHost
 from ftrun.store.job import JobStore
@@ -66,15 +66,7 @@ class Agent:
     def __init__(self, config: LaunchConfig, store_host: StoreHost | None, console: Console) -> None:
         self.config = config
         self.console = console
-        root = config.log_dir or registry.default_runs_root()
-        try:
-            run = registry.private_dir(root / (config.run_name or f"{config.run_id}_{uuid.uuid4().hex[:8]}"))
-            self.run_dir = run if config.node_rank == 0 else registry.private_dir(run / f"node{config.node_rank}")
-        except OSError as exc:
-            raise UsageError(f"cannot create the run directory under {root} ({exc.strerror}): "
-                             "free some space there, or pick another --log-dir") from None
-        self.run_name = run.name
-        """The run's name (its directory's), the same on every node: the run id `ftrun status` shows."""
+        self.run_dir, self.run_name = make_run_dir(config)
         self.seal = Seal(config.secret)
         self.access = StoreAccess(config, store_host, self.seal, console)
         self.log = EventLog(self.run_dir / "events.jsonl", console.notice)
@@ -134,13 +126,7 @@ class Agent:
         self.log.write(events.START, run_id=config.run_id, command=config.command, node=config.node_rank,
                        nproc=config.nproc_per_node, world_size=config.world_size, store_port=config.store.port)
         if self.leader:
-            try:
-                write_secret_file(self.run_dir / "secret", config.secret)  # for `ftrun status --secret-file`
-            except OSError as exc:  # a full disk: the job goes on; this machine's registry still holds the secret
-                (self.run_dir / "secret").unlink(missing_ok=True)
-                self.console.notice(f"ftrun: cannot write {self.run_dir / 'secret'} ({exc.strerror or exc}): "
-                                    "`ftrun status` and `ftrun inject` from another machine cannot be given the "
-                                    "run's secret (--secret-file)", style="yellow")
+            write_run_secret(self.run_dir, config.secret, self.console)
         with SignalWake(handled) as wake:  # until the clean-up is done: a second Ctrl-C must not cut it short
             try:
                 self.signals = wake
@@ -161,8 +147,8 @@ class Agent:
         self.gpu_health.stop()
         if self.links is not None:
             self.links.stop()
-            if not self.leader:
-                self._link_saved_state()  # before it says it ended: node 0's store answers until then
+            if not self.leader and self.store is not None:  # before it says it ended: node 0's store answers
+                link_saved_state(self.store, self.config.node_rank, self.run_dir, self.console)  # until then
                 say_ended(self.config, self.access)
         self.access.close()  # the store's process ends
         if self.registered is not None:
@@ -170,32 +156,6 @@ class Agent:
         os.close(mail_r)
         os.close(mail_w)
         self.log.close()
-
-    def _link_saved_state(self) -> None:
-        """A follower that saved state links its run directory under node 0's (scheduler mode, where each node
-        names its own), so that `--resume-from <node 0's run dir>` finds this node's state there."""
-        if self.store is None or not holds_saved_state(self.run_dir / "rescue"):
-            return
-        try:
-            link = link_path(self.store.read_job(0), self.config.node_rank, self.run_dir)
-        except (RuntimeError, MalformedValue):  # node 0's store is gone, or says nothing readable
-            return
-        why = link_under_leader(link, self.run_dir) if link is not None else None
-        if why is not None:
-            self.console.notice(f"ftrun: node {self.config.node_rank}: cannot link {link} to {self.run_dir} ({why}): "
-                                "copy it there, or `--resume-from` on this node reads node 0's state", style="yellow")
-
-    def _register(self) -> Path | None:
-        """Enter this launch in the run registry; a registry that cannot be written (a full disk) is said once."""
-        config = self.config
-        entry = registry.new_entry(self.run_dir.name, config.run_id, config.master_addr, config.store.port,
-                                   self.run_dir, config.secret, config.etcd.url() if config.etcd else None)
-        try:
-            return registry.register(entry)
-        except OSError as exc:
-            self.console.notice(f"ftrun: cannot enter this run in the run registry ({exc.strerror or exc}): "
-                                f"`ftrun status` and `ftrun inject` need --endpoint {entry.endpoint}", style="yellow")
-            return None
 
     def _run_attempts(self, mail_w: int) -> int:
         self.pool.start_fork_server()
@@ -281,7 +241,7 @@ class Agent:
             store.write_job({"run_id": self.run_dir.name, "rdzv_id": config.run_id, "nnodes": config.min_nodes,
                              "world_size": config.world_size, "run_dir": str(self.run_dir)})
         if not config.under_launcher:  # only now: `ftrun status` and `inject` find a job whose store answers
-            self.registered = self._register()
+            self.registered = register_launch(config, self.run_dir, self.console)
         self.links = start_links(config, self.leader, store, self.access, mail_w)
         self.status.store, self.status.dropped = store, self._dropped
         return store

@@ -13,6 +13,26 @@ from pathlib import Path
 from typing import Any
 
 from ftrun import registry
+from ftrun.console import Console
+from ftrun.flag_values import holds_saved_state
+from ftrun.store.auth import MalformedValue
+from ftrun.store.job import JobStore
+
+
+def link_saved_state(store: JobStore, node_rank: int, run_dir: Path, console: Console) -> None:
+    """Link ``run_dir`` under node 0's where it holds saved state and is not there already (scheduler mode, where
+    each node names its own), so that `--resume-from <node 0's run dir>` finds this node's state; where it cannot,
+    one line says so."""
+    if not holds_saved_state(run_dir / "rescue"):
+        return
+    try:
+        link = link_path(store.read_job(0), node_rank, run_dir)
+    except (RuntimeError, MalformedValue):  # node 0's store is gone, or says nothing readable
+        return
+    why = link_under_leader(link, run_dir) if link is not None else None
+    if why is not None:
+        console.notice(f"ftrun: node {node_rank}: cannot link {link} to {run_dir} ({why}): "
+                       "copy it there, or `--resume-from` on this node reads node 0's state", style="yellow")
 
 
 def link_path(job: Any, node_rank: int, run_dir: Path) -> Path | None:
