@@ -214,9 +214,17 @@ class HostLauncher:
         link until ssh gives up (the node fenced itself, or is gone). Done as node 0 ends well too, not once
         the others' settling time is over."""
         for agent in self.agents:
-            if agent.exitcode is None and not agent.local and not agent.dropped and self.store.is_evicted(agent.node):
+            if agent.exitcode is None and not agent.local and not agent.dropped and self._declared_lost(agent.node):
                 agent.dropped = True
                 agent.proc.kill()
+
+    def _declared_lost(self, node: int) -> bool:
+        """Whether the leader declared ``node`` lost; not where the store does not answer (etcd down at the
+        end of a job, say): that node's session is then ended as any other's."""
+        try:
+            return self.store.is_evicted(node)
+        except RuntimeError:
+            return False
 
     def _stop_agents(self, sig: int = signal.SIGTERM) -> float:
         """Send ``sig`` (the one this launcher received, else SIGTERM) to every agent still running on this
