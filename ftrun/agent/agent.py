@@ -147,8 +147,9 @@ class Agent:
         self.gpu_health.stop()
         if self.links is not None:
             self.links.stop()
-            if not self.leader and self.store is not None:  # before it says it ended: node 0's store answers
-                link_saved_state(self.store, self.config.node_rank, self.run_dir, self.console)  # until then
+            if not self.leader:
+                if self.store is not None:  # before it says it ended: node 0's store answers until then
+                    link_saved_state(self.store, self.config.node_rank, self.run_dir, self.console)
                 say_ended(self.config, self.access)
         self.access.close()  # the store's process ends
         if self.registered is not None:
