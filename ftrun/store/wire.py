@@ -23,6 +23,7 @@ through leaves the byte stream in an unknown state, so the connection is closed.
 
 from __future__ import annotations
 
+import os
 import random
 import select
 import socket
@@ -43,6 +44,8 @@ KEY_ERRORS = "surrogateescape"
 is one that can be deleted."""
 DEFAULT_TIMEOUT = 5.0
 """Seconds a call may take unless told otherwise."""
+WITHDRAW_TIMEOUT = 0.5
+"""Seconds a close gives its WAITs' withdrawals in all (a store that does not answer costs no more)."""
 RECV_SIZE = 1 << 16
 """Bytes asked of the socket per read."""
 
@@ -123,6 +126,8 @@ class StoreClient:
         self._received = bytearray()  # answers read from the socket and not yet taken
         self._asked = False  # a query went out since the last read: its answer is a round trip away
         self._waiters: list[_Waiter] = []  # the connections wait_any waits on, one per key it waits for
+        self._wake: tuple[int, int] | None = None  # a pipe interrupt() writes to, polled by wait_any (once used)
+        self._interrupted = False
         patience = timeout if connect_timeout is None else connect_timeout
         self._patience = patience  # for the connections list_keys and wait_any open
         if first_connect_timeout is not None:
@@ -240,15 +245,21 @@ class StoreClient:
         successors = then or {}
         with self._lock:
             try:
+                wake = self._wake_pipe()  # made before the flag is read: an interrupt() after it writes to it
+                if self._interrupted:
+                    raise StoreError("interrupted")
                 waiters = [self._waiter(slot, key, deadline) for slot, key in enumerate(keys)]
                 while not any(waiter.fired for waiter in waiters):
                     left = deadline - time.monotonic()
                     if left <= 0:
                         return {}
                     poller = select.poll()  # not select: it takes no descriptor past 1,023
+                    poller.register(wake, select.POLLIN)
                     for waiter in waiters:
                         poller.register(waiter.sock, select.POLLIN)
                     ready = {fd for fd, _ in poller.poll(left * 1000)}
+                    if wake in ready:
+                        raise StoreError("interrupted")
                     for waiter in waiters:
                         if waiter.sock.fileno() in ready:
                             waiter.take_answer(deadline)
@@ -259,9 +270,18 @@ class StoreClient:
                     elif waiter.fired:
                         came[key], waiter.key = None, None  # armed again at the next wait for it
                 return came
-            except (StoreError, OSError, ValueError) as exc:  # a connection went away (or was shut down)
-                self.close()
+            except (StoreError, OSError, ValueError) as exc:  # a connection went away, or interrupt()
+                self._close(withdraw=True)
                 raise exc if isinstance(exc, StoreError) else StoreError(f"the store went away ({exc})") from None
+
+    def _wake_pipe(self) -> int:
+        """The read end of the pipe :meth:`interrupt` writes to (made at the first wait)."""
+        if self._wake is None:
+            read, write = os.pipe()
+            os.set_blocking(read, False)
+            os.set_blocking(write, False)
+            self._wake = (read, write)
+        return self._wake[0]
 
     def _waiter(self, slot: int, key: str, deadline: float) -> _Waiter:
         """The connection for the ``slot``-th key of :meth:`wait_any`, waiting for ``key`` (the lock is held)."""
@@ -296,22 +316,49 @@ class StoreClient:
         return self._call(bytes([Query.GETNUMKEYS]), None, self._recv_i64)
 
     def close(self) -> None:
-        """Close the connection (calls after this raise StoreError), and those :meth:`wait_any` opened."""
+        """Close the connection (calls after this raise StoreError), and those :meth:`wait_any` opened: each
+        WAIT still armed on them is withdrawn first, unless another thread's call is under way."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._close(withdraw=True)
+            finally:
+                self._lock.release()
+        else:
+            self._close(withdraw=False)
+
+    def _close(self, withdraw: bool) -> None:
+        """Close every connection; with ``withdraw``, the armed WAITs are withdrawn first, within
+        WITHDRAW_TIMEOUT s in all: the server would otherwise answer the closed connection once the key came
+        (torch logs that as a failed write)."""
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        deadline = time.monotonic() + WITHDRAW_TIMEOUT
         for waiter in self._waiters:
+            if withdraw:
+                waiter.withdraw(deadline)
             waiter.client.close()
+        if self._wake is not None:
+            for fd in self._wake:
+                os.close(fd)
+            self._wake = None
 
     def interrupt(self) -> None:
         """End, from another thread, the call this connection is blocked in (it raises StoreError), and every
-        later one: the connection is shut down."""
-        for sock in [self._sock, *(waiter.client._sock for waiter in self._waiters)]:
-            if sock is not None:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+        later one: the main connection is shut down, and a wait is woken through its pipe (its connections
+        stay up, so that closing them can withdraw their WAITs)."""
+        self._interrupted = True
+        wake = self._wake
+        if wake is not None:
+            try:
+                os.write(wake[1], b"\0")
+            except OSError:  # full (woken already) or closed
+                pass
+        if self._sock is not None:
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def __enter__(self) -> StoreClient:
         return self
@@ -335,9 +382,10 @@ class StoreClient:
             self.close()
             raise StoreError(f"unexpected answer {answer} to WAIT")
 
-    def _cancel_wait(self) -> None:
-        """Withdraw the pending WAIT and read the acknowledgement (the lock is held)."""
-        deadline = time.monotonic() + self.timeout
+    def _cancel_wait(self, deadline: float | None = None) -> None:
+        """Withdraw the pending WAIT and read the acknowledgement by ``deadline`` (default: the call timeout's);
+        the connection is closed where it does not come."""
+        deadline = deadline if deadline is not None else time.monotonic() + self.timeout
         try:
             self._send(bytes([Query.CANCEL_WAIT]), deadline)
             answer = self._recv_byte(deadline)
@@ -453,6 +501,12 @@ class _Waiter:
             client._cancel_wait()  # closes the connection when it fails: the WAIT below then raises
         client._send(bytes([Query.WAIT]) + client._keys([key]), deadline)
         self.key, self.fired = key, False
+
+    def withdraw(self, deadline: float) -> None:
+        """Withdraw the WAIT pending on this connection, if one is (before it is closed)."""
+        if self.key is not None and not self.fired and self.client._sock is not None:
+            self.client._cancel_wait(deadline)
+            self.key = None
 
     def take_answer(self, deadline: float) -> None:
         """Read the answer of the pending WAIT (the socket is readable): its key is set."""

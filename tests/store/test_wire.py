@@ -14,7 +14,7 @@ import pytest
 from torch.distributed import TCPStore
 
 from ftrun.store.client import open_client_retrying
-from ftrun.store.wire import StoreClient, StoreError, StoreTimeout
+from ftrun.store.wire import Query, StoreClient, StoreError, StoreTimeout
 
 pytestmark = pytest.mark.fast
 
@@ -117,6 +117,50 @@ def test_a_store_that_goes_away_fails_the_next_call_at_once():
         ours.get("k")  # the first call may still find the socket open
     with pytest.raises(StoreError, match="closed"):
         ours.check(["k"])
+
+
+class _Relay:
+    """A TCP relay to the store at ``port`` that records what each client connection sends it, in order."""
+
+    def __init__(self, port: int) -> None:
+        self.listening = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listening.getsockname()[1]
+        self.sent: list[bytearray] = []  # per connection, in the order they came
+        self.ended: list[threading.Event] = []  # set once the client closed its side
+        threading.Thread(target=self._accept, args=(port,), daemon=True).start()
+
+    def _accept(self, port: int) -> None:
+        while True:
+            try:
+                client, _ = self.listening.accept()
+            except OSError:  # closed: the test is over
+                return
+            upstream = socket.create_connection(("127.0.0.1", port))
+            sent, ended = bytearray(), threading.Event()
+            self.sent.append(sent)
+            self.ended.append(ended)
+            threading.Thread(target=_pump, args=(client, upstream, sent, ended), daemon=True).start()
+            threading.Thread(target=_pump, args=(upstream, client, bytearray(), threading.Event()),
+                             daemon=True).start()
+
+    def close(self) -> None:
+        self.listening.close()
+
+
+def _pump(source: socket.socket, sink: socket.socket, record: bytearray, ended: threading.Event) -> None:
+    """Copy ``source`` to ``sink`` (recording it) until it ends, then end ``sink``'s sending side."""
+    try:
+        while data := source.recv(65536):
+            record += data
+            sink.sendall(data)
+    except OSError:
+        pass
+    finally:
+        ended.set()
+        try:
+            sink.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
 
 
 def _listener() -> socket.socket:
@@ -235,6 +279,45 @@ def test_the_wait_for_a_fetched_keys_successor_goes_out_with_the_read(server):
         assert client.wait_any(["bell", "news/2"], 5.0, fetch=["news/2"]) == {"news/2": b"second"}
         torch_client.set("bell", b"")
         assert client.wait_any(["bell", "news/3"], 5.0, fetch=["news/3"]) == {"bell": None}  # another key: re-armed
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("ending", ["close", "interrupt"])
+def test_the_waits_armed_when_a_client_ends_are_withdrawn_before_their_connections_close(server, ending):
+    """A WAIT left armed on a closed connection is answered into it once its key is set, and torch logs that as
+    a failed write (EPIPE): a mailbox reader stopped at an agent's end did so. Closing the client, or
+    interrupting its wait from another thread, withdraws each armed WAIT (CANCEL_WAIT) before it closes."""
+    master, torch_client = server
+    relay = _Relay(master.port)
+    try:
+        client = StoreClient("127.0.0.1", relay.port, PATIENT)
+        assert client.wait_any(["bell", "news"], 0.2) == {}  # both WAITs stay armed on their connections
+        if ending == "close":
+            client.close()
+        else:
+            outcome: list[str] = []
+            waiting = threading.Thread(target=lambda: outcome.append(_ended_by(client)))
+            waiting.start()
+            client.interrupt()  # before that wait or during it: either way it ends, interrupted
+            waiting.join(PATIENT)
+            assert outcome == ["interrupted"]
+        assert len(relay.sent) == 3 and all(ended.wait(PATIENT) for ended in relay.ended)
+        main, *waits = relay.sent
+        assert not main.endswith(bytes([Query.CANCEL_WAIT]))
+        for sent in waits:  # the handshake, the WAIT for its key (which ends the stream without the fix), then
+            assert sent.endswith(bytes([Query.CANCEL_WAIT])), sent  # the withdrawal
+        torch_client.set("bell", b"")  # nobody waits for it now
+        assert torch_client.get("bell") == b""
+    finally:
+        relay.close()
+
+
+def _ended_by(client: StoreClient) -> str:
+    try:
+        client.wait_any(["bell", "news"], PATIENT)
+    except StoreError as exc:
+        return str(exc)
+    return "returned"
 
 
 @pytest.mark.fast
