@@ -127,6 +127,7 @@ class StoreClient:
         self._asked = False  # a query went out since the last read: its answer is a round trip away
         self._waiters: list[_Waiter] = []  # the connections wait_any waits on, one per key it waits for
         self._wake: tuple[int, int] | None = None  # a pipe interrupt() writes to, polled by wait_any (once used)
+        self._wake_lock = threading.Lock()  # an interrupt() never writes to the pipe's numbers once closed
         self._interrupted = False
         patience = timeout if connect_timeout is None else connect_timeout
         self._patience = patience  # for the connections list_keys and wait_any open
@@ -276,12 +277,13 @@ class StoreClient:
 
     def _wake_pipe(self) -> int:
         """The read end of the pipe :meth:`interrupt` writes to (made at the first wait)."""
-        if self._wake is None:
-            read, write = os.pipe()
-            os.set_blocking(read, False)
-            os.set_blocking(write, False)
-            self._wake = (read, write)
-        return self._wake[0]
+        with self._wake_lock:
+            if self._wake is None:
+                read, write = os.pipe()
+                os.set_blocking(read, False)
+                os.set_blocking(write, False)
+                self._wake = (read, write)
+            return self._wake[0]
 
     def _waiter(self, slot: int, key: str, deadline: float) -> _Waiter:
         """The connection for the ``slot``-th key of :meth:`wait_any`, waiting for ``key`` (the lock is held)."""
@@ -338,22 +340,23 @@ class StoreClient:
             if withdraw:
                 waiter.withdraw(deadline)
             waiter.client.close()
-        if self._wake is not None:
-            for fd in self._wake:
-                os.close(fd)
-            self._wake = None
+        with self._wake_lock:
+            if self._wake is not None:
+                for fd in self._wake:
+                    os.close(fd)
+                self._wake = None
 
     def interrupt(self) -> None:
         """End, from another thread, the call this connection is blocked in (it raises StoreError), and every
         later one: the main connection is shut down, and a wait is woken through its pipe (its connections
         stay up, so that closing them can withdraw their WAITs)."""
         self._interrupted = True
-        wake = self._wake
-        if wake is not None:
-            try:
-                os.write(wake[1], b"\0")
-            except OSError:  # full (woken already) or closed
-                pass
+        with self._wake_lock:
+            if self._wake is not None:
+                try:
+                    os.write(self._wake[1], b"\0")
+                except BlockingIOError:  # full: woken already
+                    pass
         if self._sock is not None:
             try:
                 self._sock.shutdown(socket.SHUT_RDWR)
