@@ -15,6 +15,8 @@ TCPStoreLibUvBackend.cpp), checked against both server backends by tests/store/t
   as torch's client does.
 - A WAIT still pending at its deadline is withdrawn with CANCEL_WAIT; the server acknowledges it with
   WAIT_CANCELED (preceded by STOP_WAITING when the keys arrived meanwhile), so the connection stays usable.
+  Closing a client withdraws the WAITs still armed the same way: the server would otherwise answer into the
+  closed connection once the key came, and torch logs each such answer as a failed write.
 
 Every call has a monotonic deadline and raises :class:`StoreTimeout` once it passes; any other failure is a
 :class:`StoreError` (both are RuntimeErrors, as torch's store errors are). A call that fails half-way
