@@ -17,6 +17,8 @@ TCPStoreLibUvBackend.cpp), checked against both server backends by tests/store/t
   WAIT_CANCELED (preceded by STOP_WAITING when the keys arrived meanwhile), so the connection stays usable.
   Closing a client withdraws the WAITs still armed the same way: the server would otherwise answer into the
   closed connection once the key came, and torch logs each such answer as a failed write.
+- For the same reason :meth:`StoreClient.interrupt` never closes or shuts down a connection under a query:
+  it wakes the call through a pipe, and the call withdraws its WAIT, or reads the answer already on its way.
 
 Every call has a monotonic deadline and raises :class:`StoreTimeout` once it passes; any other failure is a
 :class:`StoreError` (both are RuntimeErrors, as torch's store errors are). A call that fails half-way
@@ -91,6 +93,10 @@ class StoreTimeout(StoreError):
     """A store call ran past its deadline (a key waited for was not set in time, or no answer came)."""
 
 
+class _Woken(StoreError):
+    """:meth:`StoreClient.interrupt` woke a wait for a WAIT's answer (the WAIT is still armed)."""
+
+
 def _blob(data: bytes) -> bytes:
     return _U64.pack(len(data)) + data
 
@@ -115,12 +121,13 @@ class StoreClient:
     ``first_connect_timeout`` (default ``connect_timeout``) bounds this connection's own: a client that keeps
     trying until the store is served waits that long, rather than leave a connection the server then answers
     in vain (torch's server logs each such answer as a failed write); ``slow`` is called if no answer came
-    within ``timeout``, so that it can say what it waits for.
+    within ``timeout``, so that it can say what it waits for. ``wakeable`` makes the pipe through which
+    :meth:`interrupt` ends a call blocked in this client (two descriptors more).
     """
 
     def __init__(self, host: str, port: int, timeout: float = DEFAULT_TIMEOUT,
                  connect_timeout: float | None = None, first_connect_timeout: float | None = None,
-                 slow: Callable[[], None] | None = None) -> None:
+                 slow: Callable[[], None] | None = None, wakeable: bool = True) -> None:
         self.endpoint = f"{host}:{port}"
         self._address = (host, port)
         self.timeout = timeout
@@ -128,7 +135,7 @@ class StoreClient:
         self._received = bytearray()  # answers read from the socket and not yet taken
         self._asked = False  # a query went out since the last read: its answer is a round trip away
         self._waiters: list[_Waiter] = []  # the connections wait_any waits on, one per key it waits for
-        self._wake: tuple[int, int] | None = None  # a pipe interrupt() writes to, polled by wait_any (once used)
+        self._wake: tuple[int, int] | None = None  # a pipe interrupt() writes to, polled by every wait (wakeable)
         self._wake_lock = threading.Lock()  # an interrupt() never writes to the pipe's numbers once closed
         self._interrupted = False
         patience = timeout if connect_timeout is None else connect_timeout
@@ -146,14 +153,13 @@ class StoreClient:
             raise StoreError(f"not a host name that can be looked up ({exc})") from None
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock.setblocking(False)  # each call tries its read or write at once, and waits only when it must
-        self._poller = select.poll()
-        self._poller.register(self._sock, select.POLLIN)
         nonce = random.getrandbits(32)
         try:
             self._send(bytes([Query.VALIDATE]) + _U32.pack(MAGIC) + bytes([Query.PING]) + _U32.pack(nonce), deadline)
             if slow is not None:
-                answered = self._poller.poll(max(0, round(min(timeout, deadline - time.monotonic()) * 1000)))
-                if not answered:
+                echoed = select.poll()  # not select: it takes no descriptor past 1,023
+                echoed.register(self._sock, select.POLLIN)
+                if not echoed.poll(max(0, round(min(timeout, deadline - time.monotonic()) * 1000))):
                     slow()
             echo = _U32.unpack(self._recv(_U32.size, deadline))[0]
         except StoreTimeout:
@@ -166,6 +172,11 @@ class StoreClient:
         if echo != nonce:
             self.close()
             raise StoreError("not a TCPStore: it answered the handshake with something else")
+        if wakeable:
+            read, write = os.pipe()
+            os.set_blocking(read, False)
+            os.set_blocking(write, False)
+            self._wake = (read, write)
 
     # ------------------------------------------------------------------ the calls
     def set(self, key: str, value: str | bytes) -> None:
@@ -248,16 +259,13 @@ class StoreClient:
         successors = then or {}
         with self._lock:
             try:
-                wake = self._wake_pipe()  # made before the flag is read: an interrupt() after it writes to it
-                if self._interrupted:
-                    raise StoreError("interrupted")
+                self._refuse_if_interrupted()
                 waiters = [self._waiter(slot, key, deadline) for slot, key in enumerate(keys)]
                 while not any(waiter.fired for waiter in waiters):
                     left = deadline - time.monotonic()
                     if left <= 0:
                         return {}
-                    poller = select.poll()  # not select: it takes no descriptor past 1,023
-                    poller.register(wake, select.POLLIN)
+                    poller, wake = self._woken_by()  # not select: it takes no descriptor past 1,023
                     for waiter in waiters:
                         poller.register(waiter.sock, select.POLLIN)
                     ready = {fd for fd, _ in poller.poll(left * 1000)}
@@ -277,22 +285,25 @@ class StoreClient:
                 self._close(withdraw=True)
                 raise exc if isinstance(exc, StoreError) else StoreError(f"the store went away ({exc})") from None
 
-    def _wake_pipe(self) -> int:
-        """The read end of the pipe :meth:`interrupt` writes to (made at the first wait)."""
-        with self._wake_lock:
-            if self._wake is None:
-                read, write = os.pipe()
-                os.set_blocking(read, False)
-                os.set_blocking(write, False)
-                self._wake = (read, write)
-            return self._wake[0]
+    def _woken_by(self) -> tuple[select.poll, int | None]:
+        """A poll object that wakes when :meth:`interrupt` is called (at once if it was: the pipe stays
+        readable), for a wait to register its sockets in, and the descriptor that wakes it (None: not wakeable)."""
+        poller = select.poll()
+        wake = self._wake
+        if wake is not None:
+            poller.register(wake[0], select.POLLIN)
+        return poller, wake[0] if wake is not None else None
+
+    def _refuse_if_interrupted(self) -> None:
+        if self._interrupted:
+            raise StoreError("interrupted")
 
     def _waiter(self, slot: int, key: str, deadline: float) -> _Waiter:
         """The connection for the ``slot``-th key of :meth:`wait_any`, waiting for ``key`` (the lock is held)."""
         if self._sock is None:
             raise StoreError("the connection is closed")
         while len(self._waiters) <= slot:
-            self._waiters.append(_Waiter(StoreClient(*self._address, self.timeout, self._patience)))
+            self._waiters.append(_Waiter(StoreClient(*self._address, self.timeout, self._patience, wakeable=False)))
         waiter = self._waiters[slot]
         if waiter.key != key:
             waiter.arm(key, deadline)
@@ -312,7 +323,7 @@ class StoreClient:
             raw = [asking._recv_blob(deadline).decode(errors=KEY_ERRORS) for _ in range(asking._recv_i64(deadline))]
             return [key.removeprefix(KEY_PREFIX) for key in raw]
 
-        with StoreClient(*self._address, self.timeout, self._patience) as asking:
+        with StoreClient(*self._address, self.timeout, self._patience, wakeable=False) as asking:
             return asking._call(bytes([Query.LIST_KEYS]), None, read)
 
     def num_keys(self) -> int:
@@ -349,9 +360,11 @@ class StoreClient:
                 self._wake = None
 
     def interrupt(self) -> None:
-        """End, from another thread, the call this connection is blocked in (it raises StoreError), and every
-        later one: the main connection is shut down, and a wait is woken through its pipe (its connections
-        stay up, so that closing them can withdraw their WAITs)."""
+        """End, from another thread, the call this (wakeable) client is blocked in, and every later one: they
+        raise StoreError. The call is woken through a pipe, never by shutting its connection down under it: a
+        wait withdraws its WAIT, and any other call reads the answer already on its way (WITHDRAW_TIMEOUT s at
+        most) and returns it. A connection closed with answers on their way is reset, and the server logs each
+        answer it then writes into it as a failed write (a mailbox reader stopped mid-read did so)."""
         self._interrupted = True
         with self._wake_lock:
             if self._wake is not None:
@@ -359,11 +372,6 @@ class StoreClient:
                     os.write(self._wake[1], b"\0")
                 except BlockingIOError:  # full: woken already
                     pass
-        if self._sock is not None:
-            try:
-                self._sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
 
     def __enter__(self) -> StoreClient:
         return self
@@ -375,11 +383,17 @@ class StoreClient:
     def _wait(self, keys: Sequence[str], deadline: float) -> None:
         with self._lock:
             try:
+                self._refuse_if_interrupted()
                 self._send(bytes([Query.WAIT]) + self._keys(keys), deadline)
+                self._await_socket(select.POLLIN, deadline, "", waiting=True)
                 answer = self._recv_byte(deadline)
             except StoreTimeout:
                 self._cancel_wait()
                 raise StoreTimeout(f"{', '.join(keys)} not set within the timeout") from None
+            except _Woken:
+                self._cancel_wait(time.monotonic() + WITHDRAW_TIMEOUT)
+                self._close(withdraw=True)
+                raise StoreError("interrupted") from None
             except StoreError:
                 self.close()
                 raise
@@ -406,6 +420,7 @@ class StoreClient:
         deadline = deadline if deadline is not None else self._deadline(None)
         with self._lock:
             try:
+                self._refuse_if_interrupted()
                 self._send(query, deadline)
                 return read(deadline)
             except StoreError:
@@ -464,16 +479,30 @@ class StoreClient:
             raise StoreError("the connection is closed")
         return self._sock
 
-    def _await_socket(self, event: int, deadline: float, late: str) -> None:
+    def _await_socket(self, event: int, deadline: float, late: str, waiting: bool = False) -> None:
         """Wait until the socket is ready for ``event`` (or hung up: the next call says how), StoreTimeout with
-        ``late`` once the deadline passes. A poll, not a select: a process with many connections has
+        ``late`` once the deadline passes. When :meth:`interrupt` wakes it, a wait for a WAIT's answer
+        (``waiting``) raises _Woken at once; any other wait goes on for the answer on its way, WITHDRAW_TIMEOUT
+        s at most, then raises StoreError. A poll, not a select: a process with many connections has
         descriptors past select's limit."""
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise StoreTimeout(late)
-        self._poller.modify(self._socket(), event)
-        if not self._poller.poll(left * 1000):
-            raise StoreTimeout(late)
+        fd = self._socket().fileno()
+        poller, wake = self._woken_by()
+        poller.register(fd, event)
+        interrupted = False
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise StoreError("interrupted") if interrupted else StoreTimeout(late)
+            ready = [ready_fd for ready_fd, _ in poller.poll(left * 1000)]
+            if fd in ready:
+                return
+            if wake not in ready:
+                continue  # the deadline passed
+            if waiting:
+                raise _Woken()
+            poller.unregister(wake)
+            interrupted = True
+            deadline = min(deadline, time.monotonic() + WITHDRAW_TIMEOUT)
 
     def _recv_byte(self, deadline: float) -> int:
         return self._recv(1, deadline)[0]

@@ -13,6 +13,7 @@ from datetime import timedelta
 import pytest
 from torch.distributed import TCPStore
 
+from ftrun.store import wire
 from ftrun.store.client import open_client_retrying
 from ftrun.store.wire import Query, StoreClient, StoreError, StoreTimeout
 
@@ -310,6 +311,84 @@ def test_the_waits_armed_when_a_client_ends_are_withdrawn_before_their_connectio
         assert torch_client.get("bell") == b""
     finally:
         relay.close()
+
+
+@pytest.mark.fast
+def test_an_interrupted_wait_on_the_main_connection_withdraws_its_wait(server):
+    """A mailbox reader waits for its bell on its main connection, and its agent interrupts that wait at stop:
+    the WAIT is withdrawn before the connection closes (if it went out at all), and the wait ends, interrupted."""
+    master, torch_client = server
+    relay = _Relay(master.port)
+    try:
+        client = StoreClient("127.0.0.1", relay.port, PATIENT)
+        outcome: list[str] = []
+        waiting = threading.Thread(target=lambda: outcome.append(_wait_ended_by(client)))
+        waiting.start()
+        client.interrupt()  # before that wait or during it
+        waiting.join(PATIENT)
+        assert outcome == ["interrupted"]
+        assert relay.ended[0].wait(PATIENT)  # the connection was closed, interrupted
+        (main,) = relay.sent
+        wait = bytes([Query.WAIT]) + (1).to_bytes(8, "little") + (5).to_bytes(8, "little") + b"/bell"
+        assert main.endswith(wait + bytes([Query.CANCEL_WAIT])) or wait not in main, main
+        with pytest.raises(StoreError, match="interrupted"):
+            client.check(["bell"])
+    finally:
+        relay.close()
+
+
+@pytest.mark.fast
+def test_an_interrupt_lets_an_answer_on_its_way_arrive_and_ends_the_calls_after_it(monkeypatch):
+    """A mailbox reader interrupted while its read's answers were on their way shut its connection down under
+    them; the store's writes of them then failed, and torch logged each ("Write to client failed", EPIPE). Now
+    the call reads its answer (WITHDRAW_TIMEOUT s at most, long here) and returns it, the connection stays open
+    until the client is closed, and only the calls after the interrupt fail."""
+    monkeypatch.setattr(wire, "WITHDRAW_TIMEOUT", PATIENT)
+    with _listener() as listening:
+        answers: list[bool] = []
+        connecting = threading.Thread(target=lambda: answers.append(
+            StoreClient("127.0.0.1", listening.getsockname()[1], PATIENT)))
+        connecting.start()
+        conn, _ = listening.accept()
+        with conn:
+            handshake = _received(conn, 10)  # VALIDATE, the magic number, PING, a nonce: answered with the nonce
+            conn.sendall(handshake[6:])
+            connecting.join(PATIENT)
+            (client,) = answers
+            answers.clear()
+            asking = threading.Thread(target=lambda: answers.append(client.check(["k"])))
+            asking.start()
+            check = bytes([Query.CHECK]) + (1).to_bytes(8, "little") + (2).to_bytes(8, "little") + b"/k"
+            assert _received(conn, len(check)) == check
+            client.interrupt()  # the answer is not sent yet
+            conn.sendall(bytes([wire.CHECK_READY]))
+            asking.join(PATIENT)
+            assert answers == [True]
+            conn.setblocking(False)
+            with pytest.raises(BlockingIOError):  # nothing sent, not closed: the client reads on
+                conn.recv(1)
+            with pytest.raises(StoreError, match="interrupted"):
+                client.check(["k"])
+            client.close()
+            conn.setblocking(True)
+            assert conn.recv(1) == b""
+
+
+def _received(conn: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = conn.recv(size - len(data))
+        assert chunk, data
+        data += chunk
+    return data
+
+
+def _wait_ended_by(client: StoreClient) -> str:
+    try:
+        client.wait(["bell"], PATIENT)
+    except StoreError as exc:
+        return str(exc)
+    return "returned"
 
 
 def _ended_by(client: StoreClient) -> str:
