@@ -395,7 +395,7 @@ class StoreClient:
                 self._close(withdraw=True)
                 raise StoreError("interrupted") from None
             except StoreError:
-                self.close()
+                self._close(withdraw=True)  # the lock is held: close() would not withdraw
                 raise
         if answer != STOP_WAITING:
             self.close()
@@ -413,7 +413,7 @@ class StoreClient:
         except StoreError:
             answer = None
         if answer != WAIT_CANCELED:
-            self.close()
+            self._close(withdraw=True)
 
     def _call(self, query: bytes, deadline: float | None, read: Callable[[float], _T]) -> _T:
         """Send one query and read its answer with ``read``, all before the deadline."""
@@ -424,7 +424,7 @@ class StoreClient:
                 self._send(query, deadline)
                 return read(deadline)
             except StoreError:
-                self.close()
+                self._close(withdraw=True)  # the lock is held: close() would not withdraw
                 raise
 
     def _deadline(self, timeout: float | timedelta | None) -> float:

@@ -283,18 +283,24 @@ def test_the_wait_for_a_fetched_keys_successor_goes_out_with_the_read(server):
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("ending", ["close", "interrupt"])
+@pytest.mark.parametrize("ending", ["close", "interrupt", "failed call"])
 def test_the_waits_armed_when_a_client_ends_are_withdrawn_before_their_connections_close(server, ending):
     """A WAIT left armed on a closed connection is answered into it once its key is set, and torch logs that as
-    a failed write (EPIPE): a mailbox reader stopped at an agent's end did so. Closing the client, or
-    interrupting its wait from another thread, withdraws each armed WAIT (CANCEL_WAIT) before it closes."""
+    a failed write (EPIPE): a mailbox reader stopped at an agent's end did so. Closing the client, interrupting
+    its wait from another thread, or a call of its that fails (which closes it) withdraws each armed WAIT
+    (CANCEL_WAIT) before it closes."""
     master, torch_client = server
     relay = _Relay(master.port)
     try:
-        client = StoreClient("127.0.0.1", relay.port, PATIENT)
+        # a call's own timeout (1 ns) passes before its answer can come: it fails, and its client closes
+        client = StoreClient("127.0.0.1", relay.port, 1e-9 if ending == "failed call" else PATIENT,
+                             connect_timeout=PATIENT)
         assert client.wait_any(["bell", "news"], 0.2) == {}  # both WAITs stay armed on their connections
         if ending == "close":
             client.close()
+        elif ending == "failed call":
+            with pytest.raises(StoreTimeout):
+                client.check(["bell"])
         else:
             outcome: list[str] = []
             waiting = threading.Thread(target=lambda: outcome.append(_ended_by(client)))
