@@ -54,13 +54,12 @@ class StoreHost:
         """Serve the store on the bound socket (imports torch); returns the agent's own handle on it."""
         from torch.distributed import TCPStore
 
-        self.store = TCPStore(
-            self.client_host,
-            self.port,
-            is_master=True,
-            master_listen_fd=self.sock.fileno(),
-            wait_for_workers=False,
-            timeout=timedelta(seconds=300),
-            use_libuv=True,
-        )
+        options = {"is_master": True, "master_listen_fd": self.sock.fileno(), "wait_for_workers": False,
+                   "timeout": timedelta(seconds=300)}
+        try:
+            self.store = TCPStore(self.client_host, self.port, use_libuv=True, **options)
+        except NotImplementedError:  # torch's libuv server took no listening socket before pytorch#150215 (in
+            # 2.6 and 2.7); its classic server does, but looks up each client's name as it accepts it
+            self.store = TCPStore(self.client_host, self.port, use_libuv=False, **options)
+        self.sock.detach()  # the server owns the descriptor now, and closes it when it stops
         return self.store

@@ -13,8 +13,11 @@ import psutil
 import pytest
 
 from conftest import EXAMPLE, FTRUN
+from ftrun.config import Endpoint
 from ftrun.errors import UsageError
 from ftrun.launcher.hosts import choose_listen_address
+from ftrun.store.host import StoreHost
+from ftrun.store.wire import StoreClient
 
 LOCAL = {"127.0.0.1", "::1", "10.0.0.5", "fd00::5"}
 
@@ -91,3 +94,25 @@ def test_workers_reach_a_loopback_store_where_localhost_is_ipv6_first(launcher_e
             hosts.parent.rmdir()
     assert result.returncode == 0, result.stderr
     assert "final step=2 " in result.stdout
+
+
+def test_a_torch_whose_libuv_server_takes_no_listening_socket_serves_the_store_from_its_classic_one(monkeypatch):
+    # torch's libuv server refuses a listening socket before pytorch#150215 (torch 2.6 raises NotImplementedError);
+    # its classic server takes it, and serves the same protocol
+    import torch.distributed
+
+    classic, tried = torch.distributed.TCPStore, []
+
+    def without_libuv_listen_fd(*args: object, use_libuv: bool, **kwargs: object) -> object:
+        tried.append(use_libuv)
+        if use_libuv:
+            raise NotImplementedError("The libuv TCPStore backend does not support initialization with an listen fd.")
+        return classic(*args, use_libuv=use_libuv, **kwargs)
+
+    monkeypatch.setattr(torch.distributed, "TCPStore", without_libuv_listen_fd)
+    host = StoreHost(Endpoint("127.0.0.1", 0), "127.0.0.1")
+    store = host.start()
+    with StoreClient(host.client_host, host.port) as client:
+        client.set("key", "value")
+        assert client.get("key") == b"value"
+    assert store.get("key") == b"value" and tried == [True, False]

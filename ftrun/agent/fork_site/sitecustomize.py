@@ -280,8 +280,12 @@ def _serve_store(server: Server, store: dict[str, Any], listen: int, lifeline: i
 
         from torch.distributed import TCPStore
 
-        served = TCPStore(store["host"], store["port"], is_master=True, master_listen_fd=listen,
-                          wait_for_workers=False, timeout=timedelta(seconds=300), use_libuv=True)
+        options = {"is_master": True, "master_listen_fd": listen, "wait_for_workers": False,
+                   "timeout": timedelta(seconds=300)}
+        try:  # as ftrun.store.host.StoreHost.start serves it (ftrun is not imported here)
+            served = TCPStore(store["host"], store["port"], use_libuv=True, **options)
+        except NotImplementedError:  # a libuv server that takes no listening socket (before pytorch#150215)
+            served = TCPStore(store["host"], store["port"], use_libuv=False, **options)
         os.read(lifeline, 1)  # blocks until the agent's end closes
         del served
     except BaseException:  # noqa: BLE001 - this process must never go on to run the script
