@@ -63,7 +63,8 @@ class StepCollectives:
         self._on_entered = on_entered
         self._entered_epoch = -1
         self._pending: dict[torch.futures.Future, torch.Tensor] = {}  # hook futures and their buckets
-        self._callbacks = 0  # completion callbacks registered and not yet run
+        self._callbacks = 0  # completion callbacks registered and not yet dropped by torch (_Counted)
+        self._spent: list[Callable[[torch.futures.Future], None]] = []  # the ones it dropped: freed by begin()
         self._loss: LossSum | None = None  # started by start_loss
 
     # ------------------------------------------------------------------ steps
@@ -72,6 +73,8 @@ class StepCollectives:
         with self.cond:
             self.epoch += 1
             self.failed, self.error = False, ""
+            spent, self._spent = self._spent, []
+        del spent  # here, not on the backend's thread (_Counted)
 
     def hook(self, group, bucket):  # noqa: ANN001, ANN201 -- DDP rejects string annotations here
         """DDP comm hook: sum the bucket over ``group``."""
@@ -105,7 +108,6 @@ class StepCollectives:
                 if failed and epoch == self.epoch:
                     self._failed(failed)
                 mine = self._pending.pop(result, None)
-                self._callbacks -= 1
                 self.cond.notify_all()
             if mine is None:
                 return
@@ -115,7 +117,7 @@ class StepCollectives:
                 # it copies its bucket's (Reducer::populate_bucket_views_out): not copied back into the bucket first
             result.set_result(mine)
 
-        work.get_future().add_done_callback(finished)
+        work.get_future().add_done_callback(_Counted(finished, self._dropped))
         return result
 
     def _with_loss(self, buffer: torch.Tensor, result: torch.futures.Future) -> tuple[torch.Tensor,
@@ -222,7 +224,8 @@ class StepCollectives:
         self.error = self.error or error
 
     def quiet(self, timeout: float) -> bool:
-        """Wait until no completion callback is pending (they need this interpreter); False on timeout."""
+        """Wait until no completion callback is pending (they need this interpreter): each has run and torch
+        has dropped it; False on timeout."""
         with self.cond:
             return self.cond.wait_for(lambda: self._callbacks == 0, timeout=timeout)
 
@@ -254,7 +257,7 @@ class StepCollectives:
         """:meth:`wait` for a collective's (or a hook's) future."""
         with self.cond:
             self._callbacks += 1
-        future.add_done_callback(self._callback_done)
+        future.add_done_callback(_Counted(self._wake, self._dropped))
         with self.cond:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             self.cond.wait_for(lambda: future.done() or self.poisoned, timeout=remaining)
@@ -266,10 +269,42 @@ class StepCollectives:
         except Exception as exc:
             raise CollectiveFailed(str(exc)) from exc
 
-    def _callback_done(self, _future: torch.futures.Future) -> None:
+    def _wake(self, _future: torch.futures.Future) -> None:
         with self.cond:
+            self.cond.notify_all()
+
+    def _dropped(self, run: Callable[[torch.futures.Future], None]) -> None:
+        with self.cond:
+            self._spent.append(run)
             self._callbacks -= 1
             self.cond.notify_all()
+
+
+class _Counted:
+    """A completion callback that counts as pending until torch has dropped it; ``dropped`` then gets the
+    callback itself, to be freed later by the thread that runs the steps.
+
+    The backend's thread that completed the collective runs the callback holding the GIL, then takes the GIL
+    once more to drop it (torch holds a Python callable through a guard that takes the GIL to release it): only
+    after that is the thread done with the interpreter. An exiting worker frees its groups once nothing is
+    pending, and where torch's groups have no ``shutdown()`` freeing one joins its threads holding the GIL: a
+    thread still on its way to the GIL would never end, nor would the worker. Nor is the callback freed on that
+    thread: the tensors its closure holds would be freed there while the collective's work still holds them, and
+    torch would then take the GIL once more when the work lets go of them (a tensor's Python object outlives
+    its last Python reference while C++ holds the tensor)."""
+
+    __slots__ = ("_run", "_dropped")
+
+    def __init__(self, run: Callable[[torch.futures.Future], None],
+                 dropped: Callable[[Callable[[torch.futures.Future], None]], None]) -> None:
+        self._run = run
+        self._dropped = dropped
+
+    def __call__(self, future: torch.futures.Future) -> None:
+        self._run(future)
+
+    def __del__(self) -> None:
+        self._dropped(self._run)
 
 
 def future_devices(device: torch.device) -> list[torch.device]:

@@ -149,6 +149,39 @@ def test_a_failure_the_backend_recorded_fails_the_step_at_its_commit():
     assert collectives.finish(None, lambda _: _Group(), lambda: None) == (True, None)
 
 
+class _Running:
+    """A collective still running: its future completes when the test completes it."""
+
+    def __init__(self) -> None:
+        self.future: torch.futures.Future = torch.futures.Future()
+
+    def get_future(self) -> torch.futures.Future:
+        return self.future
+
+
+@pytest.mark.fast
+def test_a_hooks_callback_runs_until_the_bucket_is_handed_on_and_an_exit_waits_for_it():
+    # set_result runs the waiters' callbacks (DDP's) on the backend's thread that completed the collective: an
+    # exiting worker frees its groups only once quiet(), and freeing one joins that thread (holding the GIL,
+    # where torch's groups have no shutdown()), so quiet() must not count the callback done before that
+    collectives = step_begun()
+    running = _Running()
+    bucket = _Bucket()
+    result = collectives.hook(SimpleNamespace(allreduce=lambda tensors: running), bucket)
+    handed_on, release = threading.Event(), threading.Event()
+    result.add_done_callback(lambda _: (handed_on.set(), release.wait(30)))
+    backend = threading.Thread(target=running.future.set_result, args=([bucket.buffer()],))
+    backend.start()
+    try:
+        assert handed_on.wait(30)
+        assert not collectives.quiet(0)
+    finally:
+        release.set()
+        backend.join(30)
+    assert collectives.quiet(0)
+    assert result.value() is bucket.buffer() and not collectives.failed
+
+
 class _Recording:
     """A real group that records what each all-reduce sums: its number of elements and its type."""
 
