@@ -208,7 +208,11 @@ def main() -> None:
         print(f"torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, "
               f"{torch.cuda.get_device_name(0)}", flush=True)
     if args.planes:
-        planes = check_planes(store, in_place=args.planes == "native", backend=args.backend)
+        in_place = backends.reconfigures_in_place(args.planes)  # as a worker decides it
+        if args.planes == "native" and not in_place:
+            print("this torch has no in-place reconfigure (its API): the data group is formed fresh each generation",
+                  flush=True)
+        planes = check_planes(store, in_place=in_place, backend=args.backend)
         if args.backend == "gloo":
             check_step("cpu")
         planes.destroy()

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+import os
 import socket
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -14,6 +19,10 @@ from ftrun.errors import UsageError
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
+
+LIBUV_REFUSAL = b"does not support initialization with an listen fd"
+"""What torch logs (to file descriptor 2, from C++) as its libuv server refuses a listening socket, before
+raising NotImplementedError; ftrun then does what the line advises, so the line is not passed on."""
 
 
 class StoreHost:
@@ -56,10 +65,31 @@ class StoreHost:
 
         options = {"is_master": True, "master_listen_fd": self.sock.fileno(), "wait_for_workers": False,
                    "timeout": timedelta(seconds=300)}
-        try:
-            self.store = TCPStore(self.client_host, self.port, use_libuv=True, **options)
-        except NotImplementedError:  # torch's libuv server took no listening socket before pytorch#150215 (in
-            # 2.6 and 2.7); its classic server does, but looks up each client's name as it accepts it
-            self.store = TCPStore(self.client_host, self.port, use_libuv=False, **options)
+        with _stderr_without(LIBUV_REFUSAL):
+            try:
+                self.store = TCPStore(self.client_host, self.port, use_libuv=True, **options)
+            except NotImplementedError:  # torch's libuv server took no listening socket before pytorch#150215
+                # (torch 2.6); its classic server does, but looks up each client's name as it accepts it
+                self.store = TCPStore(self.client_host, self.port, use_libuv=False, **options)
         self.sock.detach()  # the server owns the descriptor now, and closes it when it stops
         return self.store
+
+
+@contextmanager
+def _stderr_without(dropped: bytes) -> Iterator[None]:
+    """Hold back what is written to file descriptor 2 meanwhile (torch's C++ logs write there, and other threads
+    may), and write it after, but for the lines that contain ``dropped``."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = b"".join(line for line in held.read().splitlines(keepends=True) if dropped not in line)
+            while kept:
+                kept = kept[os.write(2, kept):]

@@ -96,17 +96,21 @@ def test_workers_reach_a_loopback_store_where_localhost_is_ipv6_first(launcher_e
     assert "final step=2 " in result.stdout
 
 
-def test_a_torch_whose_libuv_server_takes_no_listening_socket_serves_the_store_from_its_classic_one(monkeypatch):
-    # torch's libuv server refuses a listening socket before pytorch#150215 (torch 2.6 raises NotImplementedError);
-    # its classic server takes it, and serves the same protocol
+def test_a_torch_whose_libuv_server_takes_no_listening_socket_serves_the_store_from_its_classic_one(monkeypatch,
+                                                                                                       capfd):
+    # torch's libuv server refuses a listening socket before pytorch#150215 (torch 2.6 logs why from C++, then
+    # raises NotImplementedError); its classic server takes it, and serves the same protocol
     import torch.distributed
 
     classic, tried = torch.distributed.TCPStore, []
+    refusal = "The libuv TCPStore backend does not support initialization with an listen fd."
 
     def without_libuv_listen_fd(*args: object, use_libuv: bool, **kwargs: object) -> object:
         tried.append(use_libuv)
         if use_libuv:
-            raise NotImplementedError("The libuv TCPStore backend does not support initialization with an listen fd.")
+            os.write(2, f"[E TCPStore.cpp:259] [c10d] {refusal} Please switch to the legacy TCPStore\n".encode())
+            os.write(2, b"another thread's line\n")
+            raise NotImplementedError(refusal)
         return classic(*args, use_libuv=use_libuv, **kwargs)
 
     monkeypatch.setattr(torch.distributed, "TCPStore", without_libuv_listen_fd)
@@ -116,3 +120,4 @@ def test_a_torch_whose_libuv_server_takes_no_listening_socket_serves_the_store_f
         client.set("key", "value")
         assert client.get("key") == b"value"
     assert store.get("key") == b"value" and tried == [True, False]
+    assert capfd.readouterr().err == "another thread's line\n"  # not the advice to do what ftrun did

@@ -37,8 +37,13 @@ def server(request):
     """
     listening = socket.create_server(("127.0.0.1", 0), backlog=64)
     port = listening.getsockname()[1]
-    master = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, use_libuv=request.param,
-                      master_listen_fd=listening.detach(), timeout=timedelta(seconds=30))  # the server closes it
+    try:
+        master = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, use_libuv=request.param,
+                          master_listen_fd=listening.fileno(), timeout=timedelta(seconds=30))
+    except NotImplementedError:  # a libuv server that takes no listening socket (torch 2.6)
+        listening.close()
+        pytest.skip("this torch's libuv server takes no listening socket")
+    listening.detach()  # the server closes it
     client = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, use_libuv=request.param,
                       timeout=timedelta(seconds=30))
     yield master, client
@@ -63,6 +68,11 @@ def test_what_torch_writes_ftrun_reads_and_back(server):
         assert ours.delete_key("cas") and not ours.delete_key("cas") and not torch_client.check(["cas"])
 
 
+LISTS_KEYS = pytest.mark.skipif(not hasattr(TCPStore, "list_keys"), reason="this torch's TCPStore lists no keys")
+"""The tests of LIST_KEYS, which a server from before it (torch 2.6) answers by closing the connection."""
+
+
+@LISTS_KEYS
 def test_keys_are_listed_as_torch_lists_them_and_the_connection_stays_usable(server):
     master, torch_client = server
     with StoreClient("127.0.0.1", master.port, PATIENT) as ours:
@@ -74,6 +84,7 @@ def test_keys_are_listed_as_torch_lists_them_and_the_connection_stays_usable(ser
         assert ours.get("ftrun/run") == b"r"
 
 
+@LISTS_KEYS
 def test_a_key_that_is_not_utf8_is_listed_under_a_name_that_deletes_it(server):
     """Anyone who reaches the store may set such a key; the agent lists every key to clear a dead attempt's."""
     master, _ = server
