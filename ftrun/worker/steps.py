@@ -64,7 +64,7 @@ class StepCollectives:
         self._entered_epoch = -1
         self._pending: dict[torch.futures.Future, torch.Tensor] = {}  # hook futures and their buckets
         self._callbacks = 0  # completion callbacks registered and not yet dropped by torch (_Counted)
-        self._spent: list[Callable[[torch.futures.Future], None]] = []  # the ones it dropped: freed by begin()
+        self._spent: list[Callable[[torch.futures.Future], None]] = []  # the ones it dropped, not yet freed
         self._loss: LossSum | None = None  # started by start_loss
 
     # ------------------------------------------------------------------ steps
@@ -73,11 +73,17 @@ class StepCollectives:
         with self.cond:
             self.epoch += 1
             self.failed, self.error = False, ""
+        self._free_spent()
+
+    def _free_spent(self) -> None:
+        """Free the completion callbacks torch has dropped: here, not on a backend's thread (_Counted)."""
+        with self.cond:
             spent, self._spent = self._spent, []
-        del spent  # here, not on the backend's thread (_Counted)
+        del spent
 
     def hook(self, group, bucket):  # noqa: ANN001, ANN201 -- DDP rejects string annotations here
         """DDP comm hook: sum the bucket over ``group``."""
+        self._free_spent()  # also where no steps() begins each step: a DDP trained in a loop of its own
         buffer = bucket.buffer()
         result: torch.futures.Future = torch.futures.Future(devices=future_devices(buffer.device))
         with self.cond:  # issue and register in one step, so a new plan cannot slip between them

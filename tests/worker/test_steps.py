@@ -11,6 +11,7 @@ checked to be made with that device; ``scripts/gpu_check.py`` checks the order i
 from __future__ import annotations
 
 import threading
+import weakref
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -180,6 +181,20 @@ def test_a_hooks_callback_runs_until_the_bucket_is_handed_on_and_an_exit_waits_f
         backend.join(30)
     assert collectives.quiet(0)
     assert result.value() is bucket.buffer() and not collectives.failed
+
+
+@pytest.mark.fast
+def test_a_hooks_spent_callback_is_freed_by_the_next_hook_where_no_step_begins():
+    # the callbacks torch dropped are kept for the training thread to free (not the backend's): a DDP trained in a
+    # loop of its own, with no steps() to begin each step, must not keep every step's buckets
+    collectives = step_begun()
+    buffer = torch.zeros(4)
+    kept = weakref.ref(buffer)
+    collectives.hook(_Group(), _Bucket(buffer))
+    del buffer
+    assert kept() is not None  # held by the spent callback's closure
+    collectives.hook(_Group(), _Bucket())
+    assert kept() is None
 
 
 class _Recording:
