@@ -61,7 +61,7 @@ RELAY_ALL = "relay_all"  # broadcast to every node: the same control messages fo
 SIGNAL = "signal"  # signal one of its workers: {uid, sig}
 START_WORKER = "start_worker"  # start the replacement of its worker: {uid, local_rank, rank}
 STOP = "stop"  # the leader's attempt failed (or was stopped): stop every worker and end: {reason}
-RESTART = "restart"  # the leader restarts the group: start attempt {attempt} once every worker has ended: {reason}
+RESTART = "restart"  # the group restarts once every worker ended: as {attempt}, rendezvous in {store}: {reason}
 DONE = "done"  # the leader's attempt succeeded: a node with no worker left ends too
 
 # commands, in any agent's mailbox: {"cmd": ..., "reply_to": token, ...}, answered {"ok": bool, ...}
@@ -316,7 +316,7 @@ MAIL: dict[str, dict[str, Check]] = {
     SIGNAL: {"uid": is_int, "sig": _signal},
     START_WORKER: {"uid": is_int, "local_rank": is_int, "rank": is_optional_int},
     STOP: {"reason": is_text},
-    RESTART: {"attempt": is_int, "reason": is_text},
+    RESTART: {"attempt": is_int, "reason": is_text, "store": is_address},
     DONE: {},
 }
 """Every message agents (and the hostfile launcher) post to each other's mailboxes, with its fields."""

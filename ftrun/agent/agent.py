@@ -35,7 +35,7 @@ from ftrun.agent.pool import CHANNEL, EXIT, OUTPUT, WorkerPool
 from ftrun.agent.restarts import GroupRestarts
 from ftrun.agent.run_dir import make_run_dir, register_launch, write_run_secret
 from ftrun.agent.run_links import link_saved_state
-from ftrun.agent.ports import Coordination, WorkerHandle
+from ftrun.agent.ports import Coordination, Restart, WorkerHandle
 from ftrun.agent.shutdown import OnSignal, on_signal, schedule
 from ftrun.agent.status_record import RunInfo, StatusPublisher
 from ftrun.agent.stopper import Stopper
@@ -82,7 +82,6 @@ class Agent:
         self.result = AttemptResult()  # how the current attempt is going
         self.attempt_failure: str | None = None  # set by end_attempt: why the current attempt is being ended
         self.store: JobStore | None = None  # the agent's own store handle, once the store is served
-        self.group_store: JobStore | None = None  # the process groups' TCPStore, where this agent serves it
         self.coordination: Coordination | None = None  # one per attempt, made before its event loop starts
         self.links: NodeLinks | None = None  # mailbox, outbox and leases, once the store answers
         self.gpu_health = GpuHealth(self.log, console, self.pool, self.end_attempt, config.xid_table,
@@ -192,8 +191,9 @@ class Agent:
                                                              self.coordination):
                 self.restart_count += 1
                 self.restarted_after = min((f.when for f in result.failures), default=time.time())
-                self.group_store.clear_worker_keys()  # the new group must not read the old one's addresses
-                self.coordination.close(result.reason, restart=self.restart_count)  # after: the others start theirs
+                self.pool.rendezvous = self.access.serve_attempt_store(self.pool.fork_server)
+                # after: the others start theirs
+                self.coordination.close(result.reason, restart=Restart(self.restart_count, self.pool.rendezvous))
                 self.console.notice(f"ftrun: {result.reason}; restarting the group "
                                     f"(restart {self.restart_count} of {self.config.max_restarts})", style="bold yellow")
                 continue
@@ -210,9 +210,9 @@ class Agent:
                 self.log.write(events.END, outcome="interrupted", signal=result.signal)
                 return EXIT_SIGNAL_BASE + result.signal
             if not self.leader:
-                attempt = self.restarts.follower_restart(result, self.coordination)
-                if attempt is not None:
-                    self.restart_count = attempt
+                restart = self.restarts.follower_restart(result, self.coordination)
+                if restart is not None:
+                    self.restart_count, self.pool.rendezvous = restart
                     continue
                 self.console.notice(f"ftrun: node {self.config.node_rank}: {result.reason}", style="bold red")
                 self.log.write(events.END, outcome="failed", reason=result.reason)
@@ -237,7 +237,7 @@ class Agent:
     def _open_store(self, mail_w: int) -> JobStore:
         """Serve the store (or connect to it), and start this node's mailbox reader and lease."""
         config = self.config
-        store, self.group_store = self.access.open(self.leader, self.pool.fork_server)
+        store = self.access.open(self.leader, self.pool.fork_server)
         if self.leader:
             store.write_job({"run_id": self.run_dir.name, "rdzv_id": config.run_id, "nnodes": config.min_nodes,
                              "world_size": config.world_size, "run_dir": str(self.run_dir)})
@@ -369,6 +369,7 @@ class Agent:
         self.term = won.term
         self.config = self.pool.config = self.access.config = dataclasses.replace(
             config, store=Endpoint(won.host, won.port), master_addr=won.host)  # for workers started later
+        self.pool.rendezvous = None  # theirs too, rather than a restarted attempt's store
         self.log.write(events.LEADER, node=won.node, term=won.term, store=won.store, reason=why)
         if won.node != config.node_rank:
             follow_elected(won, lost, self.links, self.coordination, self.store, config.node_timeout)
@@ -387,9 +388,7 @@ class Agent:
 
     def _serve_group_store(self) -> tuple[str, int]:
         """Serve the process groups' store on this node (it was elected leader): its host and port."""
-        self.group_store, host, port = serve_group_store(self.access, self.pool.fork_server, self.seal,
-                                                         self.config.store)
-        return host, port
+        return serve_group_store(self.access, self.pool.fork_server, self.config.store)
 
     def worker_message(self, worker: WorkerHandle, message: dict[str, Any]) -> None:
         """A control message from a worker of the job: an answer to a stop's request to save, and news for the

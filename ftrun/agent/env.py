@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ftrun.config import LaunchConfig
+from ftrun.config import Endpoint, LaunchConfig
 
 
 def launch_env(config: LaunchConfig) -> dict[str, str]:
@@ -28,7 +28,7 @@ def worker_env(
     local_rank: int,
     uid: int,
     restart_count: int,
-    store_port: int,
+    store: Endpoint,
     run_dir: str,
     joiner: bool = False,
     node_sizes: tuple[int, ...] | None = None,
@@ -39,7 +39,8 @@ def worker_env(
     ``uid`` is the worker's incarnation id, unique within a run; a spare gets the rank it would have if
     it joined now, and FTRUN_JOINER=1. ``node_sizes`` (training workers per node) defaults to the
     configuration's; an attempt started without evicted GPUs' workers passes its smaller sizes.
-    ``rescue_from``: the directory of rescued state the workers start from (FTRUN_RESCUE_FROM).
+    ``rescue_from``: the directory of rescued state the workers start from (FTRUN_RESCUE_FROM). ``store``: where
+    the workers' process groups rendezvous (MASTER_ADDR, MASTER_PORT).
     """
     env = launch_env(config)
     sizes = config.sizes if node_sizes is None else node_sizes
@@ -56,8 +57,8 @@ def worker_env(
         WORLD_SIZE=str(world),
         GROUP_WORLD_SIZE=str(config.min_nodes),
         ROLE_WORLD_SIZE=str(world),
-        MASTER_ADDR=config.master_addr,
-        MASTER_PORT=str(store_port),
+        MASTER_ADDR=store.host,
+        MASTER_PORT=str(store.port),
         TORCHELASTIC_RESTART_COUNT=str(restart_count),
         TORCHELASTIC_MAX_RESTARTS=str(config.max_restarts),
         TORCHELASTIC_RUN_ID=config.run_id,

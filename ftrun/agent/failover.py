@@ -19,15 +19,15 @@ from ftrun.agent.forkserver import ForkServer
 from ftrun.agent.leader import Leader
 from ftrun.agent.node_links import NodeLinks
 from ftrun.agent.nodes import Takeover
-from ftrun.agent.store_access import StoreAccess
+from ftrun.agent.store_access import STORE_TIMEOUT, StoreAccess
 from ftrun.config import Endpoint
 from ftrun.launcher.hosts import address_toward
 from ftrun.protocol import node_of
 from ftrun.store import keys
-from ftrun.store.auth import Seal
 from ftrun.store.host import StoreHost
 from ftrun.store.job import JobStore
 from ftrun.store.leases import NodeLeases, watch_leader_lease
+from ftrun.store.wire import StoreClient
 
 
 @dataclass(frozen=True)
@@ -123,12 +123,12 @@ def start_leading(leader: Leader, follower: Follower, won: Election, takeover: T
     leader.nodes.take_over(follower.plan, takeover)
 
 
-def serve_group_store(access: StoreAccess, fork_server: ForkServer | None, seal: Seal,
-                      toward: Endpoint) -> tuple[JobStore, str, int]:
+def serve_group_store(access: StoreAccess, fork_server: ForkServer | None, toward: Endpoint) -> tuple[str, int]:
     """Serve a new store for the process groups on this node, on its address toward the old one (``toward``:
-    the network the nodes share), once it answers: the connection to it, its host and port."""
+    the network the nodes share), once it answers: its host and port."""
     host = address_toward(toward.host, toward.port)
     access.store_host = StoreHost(Endpoint(host, 0), host)
-    store = JobStore(access.serve_hosted(fork_server), seal)
-    store.kv.check([keys.JOB])  # served: a client that came sooner could be turned away
-    return store, host, access.store_host.port
+    access.serve_hosted(fork_server)
+    with StoreClient(host, access.store_host.port, STORE_TIMEOUT, wakeable=False) as served:
+        served.check([keys.JOB])  # served: a client that came sooner could be turned away
+    return host, access.store_host.port

@@ -16,9 +16,10 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from ftrun import events, protocol
-from ftrun.agent.ports import LocalWorkers, Notices, WorkerControl, WorkerHandle
+from ftrun.agent.ports import LocalWorkers, Notices, Restart, WorkerControl, WorkerHandle
 from ftrun.agent.watchdog import HangWatchdog
 from ftrun.agent.workers import WorkerSlot
+from ftrun.config import Endpoint
 from ftrun.events import EventSink
 from ftrun.health.hangs import HangPolicy
 from ftrun.store import keys
@@ -51,7 +52,7 @@ class Follower:
         self.watchdog = HangWatchdog(local, log, notices, HangPolicy(fixed=hang_timeout))
         self.forwarded: dict[int, tuple[int, float]] = {}  # uid -> (gen, monotonic time) of the last forwarded commit
         self.stop_reason: str | None = None  # the leader's word that the job failed, or why this node stops
-        self.restart_to: int | None = None  # the leader's word: the group restarts as this attempt
+        self.restart_to: Restart | None = None  # the leader's word: the group restarts, as this attempt, in this store
         self.leader_done = False  # the leader's word: the job succeeded
         self.failed_here = False  # a worker of this node failed in this attempt
         self.finished_here = False  # a worker of this node ended with exit code 0 (training is over)
@@ -129,7 +130,7 @@ class Follower:
         elif kind == protocol.STOP:
             self.stop_reason = message["reason"]
         elif kind == protocol.RESTART:
-            self.restart_to = message["attempt"]
+            self.restart_to = Restart(message["attempt"], Endpoint(*protocol.split_address(message["store"])))
             if self.local.live():  # none should be left: the leader waited for every worker's end
                 self.control.stop_all()
         elif kind == protocol.DONE:
@@ -219,7 +220,7 @@ class Follower:
             return None
         return lost[0][1] if lost else None
 
-    def close(self, reason: str | None, restart: int | None = None) -> None:
+    def close(self, reason: str | None, restart: Restart | None = None) -> None:
         """Nothing to tell anyone: the leader learns of this node's end from its workers' exits and its lease."""
 
     # ------------------------------------------------------------ effects

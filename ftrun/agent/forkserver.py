@@ -64,6 +64,10 @@ class ForkRefused(Exception):
         super().__init__(reason)
         self.gone = gone
 
+    def notice(self, instead: str) -> str:
+        """The line that says so: what ftrun does ``instead`` of this request, or, the server gone, from now on."""
+        return f"ftrun: {self}; workers start as new processes from now on" if self.gone else f"ftrun: {self}; {instead}"
+
 
 def can_serve(command: list[str]) -> bool:
     """Whether workers of this command line can come from a fork server: this Python running ``-u`` and a

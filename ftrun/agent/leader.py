@@ -18,7 +18,7 @@ from ftrun import events, protocol
 from ftrun.agent.decisions import (Act, Decision, LinkTrouble, Membership, Recovery, RecoveryOptions, Rescue,
                                    decide_deadline, decide_fault, decide_join, decide_link_fault, lost_ranks,
                                    recovery_summary, rescue_outcome, split_lost, succeeded, waiting_for)
-from ftrun.agent.ports import GpuUse, LocalWorkers, Notices, WorkerControl, WorkerHandle
+from ftrun.agent.ports import GpuUse, LocalWorkers, Notices, Restart, WorkerControl, WorkerHandle
 from ftrun.agent.watchdog import HangWatchdog
 from ftrun.events import EventSink
 from ftrun.health.hangs import HangPolicy
@@ -96,7 +96,7 @@ class Leader:
         return max(self.rescue.saved.values(), default=-1) if self.rescue is not None else -1
 
     @property
-    def restart_to(self) -> None:
+    def restart_to(self) -> Restart | None:
         """The leader decides group restarts; it is never told one."""
         return None
 
@@ -281,9 +281,9 @@ class Leader:
         if gen > self.plan.gen:
             self.members.plan = replace(self.plan, gen=gen)
 
-    def close(self, reason: str | None, restart: int | None = None) -> None:
+    def close(self, reason: str | None, restart: Restart | None = None) -> None:
         """The attempt is over: every other node is told how (it succeeded, failed with ``reason``, or the
-        group restarts as attempt ``restart``)."""
+        group restarts: as which attempt, in which store)."""
         if self.nodes is not None:
             self.nodes.end(reason, restart)
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from ftrun import events, protocol
 from ftrun.agent.failures import WorkerFailure
-from ftrun.agent.ports import LeaderInbox, Notices, WorkerControl, WorkerHandle
+from ftrun.agent.ports import LeaderInbox, Notices, Restart, WorkerControl, WorkerHandle
 from ftrun.agent.workers import WorkerSlot
 from ftrun.events import EventSink
 from ftrun.protocol import Plan, node_of
@@ -244,11 +244,13 @@ class RemoteNodes:
         ``workers``)."""
         mail(self.outbox, [], {"t": protocol.RELAY_ALL, "data": data.decode(), "uids": [w.uid for w in workers]})
 
-    def end(self, reason: str | None, restart: int | None) -> None:
+    def end(self, reason: str | None, restart: Restart | None) -> None:
         """Tell every other node how the leader's attempt ended: it succeeded (``reason`` None), the group
-        restarts as attempt ``restart``, or it failed with ``reason`` (each node stops its workers too)."""
+        restarts (``restart``: as which attempt, in which store), or it failed with ``reason`` (each node stops
+        its workers too)."""
         if restart is not None:
-            message: dict[str, Any] = {"t": protocol.RESTART, "attempt": restart, "reason": reason or ""}
+            message: dict[str, Any] = {"t": protocol.RESTART, "attempt": restart.attempt, "reason": reason or "",
+                                       "store": f"{restart.store.host}:{restart.store.port}"}
         elif reason is None:
             message = {"t": protocol.DONE}
         else:

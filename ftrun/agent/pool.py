@@ -14,7 +14,7 @@ from ftrun.agent.forkserver import STARTING, UNUSABLE, ForkRefused, ForkServer, 
 from ftrun.agent.output import LogFiles, WorkerOutput, render_prefix
 from ftrun.agent.script_imports import script_imports
 from ftrun.agent.workers import Worker, WorkerSlot, fork_worker, spawn_worker
-from ftrun.config import LaunchConfig
+from ftrun.config import Endpoint, LaunchConfig
 from ftrun.console import STDERR, STDOUT, Console
 from ftrun.events import EventSink
 from ftrun.protocol import UID_STRIDE, worker_message_problem
@@ -47,6 +47,9 @@ class WorkerPool:
         """Lines on the workers' control channels that were not a message the agent knows (and ignored)."""
         self.log_files = LogFiles(console, events, run_dir)
         self.fork_server: ForkServer | None = None
+        self.rendezvous: Endpoint | None = None
+        """Where this attempt's workers' process groups rendezvous (MASTER_ADDR, MASTER_PORT): a restarted
+        attempt's own store; None: the configuration's (the job's store, or node 0's)."""
 
     # ------------------------------------------------------------ the ports' side
     def get(self, uid: int) -> Worker | None:
@@ -88,7 +91,8 @@ class WorkerPool:
         attempt_dir = self.run_dir / f"attempt_{self.attempt}" / (str(local_rank) if first
                                                                   else f"{local_rank}.{uid - self.first_uid}")
         env = worker_env(config, rank=shown_rank, local_rank=local_rank, uid=uid, restart_count=self.attempt,
-                         store_port=config.store.port, run_dir=str(self.run_dir), joiner=joiner,
+                         store=self.rendezvous or Endpoint(config.master_addr, config.store.port),
+                         run_dir=str(self.run_dir), joiner=joiner,
                          node_sizes=self.sizes, rescue_from=self.rescue_from)
         worker = self._start_process(slot, env, attempt_dir / "error.json")
         prefix = render_prefix(config.log_line_prefix_template, config.role, shown_rank, local_rank, config.node_name)
@@ -115,9 +119,8 @@ class WorkerPool:
             try:
                 return fork_worker(server, slot, env, error_file)
             except ForkRefused as refused:
-                if refused.gone:
-                    self.console.notice(f"ftrun: {refused}; workers start as new processes from now on",
-                                        style="yellow")
+                if refused.gone:  # a refusal of this worker alone is not worth a line
+                    self.console.notice(refused.notice(""), style="yellow")
         return spawn_worker(slot, self.config.command, env, error_file)
 
     # ------------------------------------------------------------ the fork server

@@ -8,7 +8,9 @@ imports the agent, so no helper does either.
 from __future__ import annotations
 
 import signal
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+from ftrun.config import Endpoint
 
 if TYPE_CHECKING:
     from collections import deque
@@ -16,6 +18,14 @@ if TYPE_CHECKING:
     from ftrun.agent.failures import WorkerFailure
     from ftrun.agent.workers import Worker, WorkerSlot
     from ftrun.protocol import Plan
+
+
+class Restart(NamedTuple):
+    """A group restart: the attempt the group starts as, and the store its workers rendezvous in (a new, empty
+    one: no key of the attempt before, whatever the server can list or delete, pytorch#135712)."""
+
+    attempt: int
+    store: Endpoint
 
 
 class Notices(Protocol):
@@ -193,8 +203,8 @@ class Coordination(Protocol):
         """Whether this node's part of the attempt succeeded, once every worker has ended."""
 
     @property
-    def restart_to(self) -> int | None:
-        """The attempt the leader restarts the group as, told to this follower (None: not told; the leader's)."""
+    def restart_to(self) -> Restart | None:
+        """The group restart the leader told this follower of (None: not told; the leader's)."""
 
     def why_no_restart(self) -> str | None:
         """Why the job's group cannot restart on the same nodes (the leader knows: a node was lost), or None."""
@@ -202,6 +212,6 @@ class Coordination(Protocol):
     def awaiting(self, now: float) -> bool:
         """Whether the attempt goes on with no worker of this node left (a follower waits for the leader's word)."""
 
-    def close(self, reason: str | None, restart: int | None = None) -> None:
-        """The attempt is over (``reason``: why it failed, None if it succeeded; ``restart``: the attempt the
-        group restarts as)."""
+    def close(self, reason: str | None, restart: Restart | None = None) -> None:
+        """The attempt is over (``reason``: why it failed, None if it succeeded; ``restart``: the group restarts,
+        as that attempt, in that store)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 from ftrun.agent.decisions import why_no_restart_here
 from ftrun.agent.failures import AttemptResult
 from ftrun.agent.gpu_health import GpuHealth
-from ftrun.agent.ports import Coordination
+from ftrun.agent.ports import Coordination, Restart
 from ftrun.config import LaunchConfig
 from ftrun.console import Console
 
@@ -36,16 +36,16 @@ class GroupRestarts:
             result.reason = f"{result.reason}; no group restart: {refused}"
         return refused is None
 
-    def follower_restart(self, result: AttemptResult, coordination: Coordination) -> int | None:
-        """The attempt a follower starts because the leader told it to restart the group, or None (the reason
+    def follower_restart(self, result: AttemptResult, coordination: Coordination) -> Restart | None:
+        """The restart a follower makes because the leader told it to restart the group, or None (the reason
         says why not when it cannot)."""
-        attempt = coordination.restart_to
-        if attempt is None:
+        restart = coordination.restart_to
+        if restart is None:
             return None
         refused = self.refusal_here()
         if refused is not None:
             result.reason = f"the leader restarts the group, but this node cannot: {refused}"
             return None
         self.console.notice(f"ftrun: node {self.config.node_rank}: the leader restarts the group (restart "
-                            f"{attempt} of {self.config.max_restarts})", style="bold yellow")
-        return attempt
+                            f"{restart.attempt} of {self.config.max_restarts})", style="bold yellow")
+        return restart

@@ -14,13 +14,13 @@ from ftrun.agent.forkserver import ForkRefused, ForkServer
 from ftrun.config import Endpoint, LaunchConfig
 from ftrun.console import Console
 from ftrun.errors import UsageError
+from ftrun.launcher.hosts import address_toward
 from ftrun.store import keys
 from ftrun.store.auth import Seal
 from ftrun.store.client import open_client_retrying
 from ftrun.store.etcd import EtcdKeyValue
 from ftrun.store.host import StoreHost
 from ftrun.store.job import JobStore
-from ftrun.store.kv import KeyValue
 from ftrun.store.leases import fence_margin
 from ftrun.store.wire import StoreClient
 
@@ -37,6 +37,7 @@ class StoreAccess:
         self.seal = seal
         self.console = console
         self.lifeline: int | None = None  # the store's process (forked by the fork server) lives while this is open
+        self.attempt_store: tuple[StoreHost, int | None] | None = None  # a restarted attempt's, and its lifeline
 
     def connect(self, timeout: float = STORE_TIMEOUT) -> JobStore:
         """A new client connection to ftrun's keys in the job's store: the etcd cluster with that backend, else
@@ -75,23 +76,23 @@ class StoreAccess:
                              "--rdzv-id?")
         return Endpoint(*where)
 
-    def open(self, leader: bool, fork_server: ForkServer | None) -> tuple[JobStore, JobStore | None]:
-        """Serve the store (or connect to it): this agent's connection to ftrun's keys, and to the process
-        groups' store where this agent serves it or leads (None elsewhere)."""
+    def open(self, leader: bool, fork_server: ForkServer | None) -> JobStore:
+        """Serve the store (or connect to it): this agent's connection to ftrun's keys."""
         config = self.config
         if self.store_host is not None:
-            group_store = JobStore(self.serve_hosted(fork_server), self.seal)
+            self.serve_hosted(fork_server)
             if config.etcd is None:
-                return group_store, group_store
+                host = self.store_host
+                served = host.store if host.store is not None else StoreClient(host.client_host, host.port, STORE_TIMEOUT)
+                return JobStore(served, self.seal)
             # with several nodes, node 0 fences too when etcd does not answer: calls short enough to do it in time
             store = self.connect(fence_margin(config.node_timeout) / 2 if config.multinode else STORE_TIMEOUT)
             store.publish_group_store(config.store.host, config.store.port)
-            return store, group_store
+            return store
         if leader:
-            store = self.connect()
-            return store, store
+            return self.connect()
         if config.etcd is not None:  # calls short enough to fence in time, as below
-            return self.connect(fence_margin(config.node_timeout) / 2), None
+            return self.connect(fence_margin(config.node_timeout) / 2)
         # calls short enough that its loop, cut off, still fences itself before the leader evicts it
         where = f"{config.store.host}:{config.store.port}"
         server = "the --hostfile launcher" if config.under_launcher else "node 0"
@@ -100,25 +101,56 @@ class StoreAccess:
             lambda: self.console.progress(f"waiting for the store at {where} ({server} serves it): up to "
                                           f"{STORE_TIMEOUT:.0f} s")), self.seal)
         self.console.progress(None)
-        return store, None
+        return store
 
     def close(self) -> None:
-        """Let the store's process end, if the fork server serves it."""
+        """Let the stores' processes end, where the fork server serves them."""
         if self.lifeline is not None:
             os.close(self.lifeline)
             self.lifeline = None
+        self._end_attempt_store()
 
-    def serve_hosted(self, server: ForkServer | None) -> KeyValue:
-        """Serve the store this agent hosts from a process the fork server forks (torch is imported there, so
-        this process never imports it), else from this process; this agent's connection to it (a newly elected
-        leader serves one too)."""
-        host = self.store_host
+    def serve_hosted(self, server: ForkServer | None) -> None:
+        """Serve the store this agent hosts (a newly elected leader serves one too)."""
+        self.lifeline = self._serve(self.store_host, server)
+
+    def serve_attempt_store(self, server: ForkServer | None) -> Endpoint:
+        """Serve a new, empty store for the workers of the attempt the leader restarts the group as, where they
+        reach it; the last attempt's, if it was one of these, ends (its workers have).
+
+        torchrun does the same since 2.4: torch's env:// rendezvous stopped prefixing its keys per attempt then,
+        so the new group's ``init_process_group`` would read the dead group's addresses in the old store
+        (pytorch#135712). Deleting them takes a server that lists its keys, which torch 2.6's does not. It is
+        served next to the job's store (on its address, where this node serves that), else on this node's
+        address toward it (the network the nodes share); the workers queue on its socket until it serves.
+        """
+        config, hosted = self.config, self.store_host
+        listen = hosted.listen if hosted is not None else address_toward(config.store.host, config.store.port)
+        host = StoreHost(Endpoint(listen, 0), listen)
+        lifeline = self._serve(host, server)
+        self._end_attempt_store()
+        self.attempt_store = host, lifeline
+        return Endpoint(config.master_addr if hosted is not None else listen, host.port)
+
+    def _end_attempt_store(self) -> None:
+        """Stop serving the last restarted attempt's store, if there is one."""
+        if self.attempt_store is not None:
+            host, lifeline = self.attempt_store
+            if lifeline is not None:
+                os.close(lifeline)
+            host.store = None  # served here: torch's server stops with its last handle
+            self.attempt_store = None
+
+    def _serve(self, host: StoreHost, server: ForkServer | None) -> int | None:
+        """Serve ``host``'s store from a process the fork server forks (torch is imported there, so this process
+        never imports it): the write end of its lifeline; else from this process (``host.store``): None."""
         if server is not None and server.ready():
             try:
-                _, self.lifeline = server.fork_store(host.client_host, host.port, host.sock.fileno())
+                _, lifeline = server.fork_store(host.client_host, host.port, host.sock.fileno())
             except ForkRefused as refused:
-                self.console.notice(f"ftrun: {refused}; ftrun serves the store itself", style="yellow")
+                self.console.notice(refused.notice("ftrun serves the store itself"), style="yellow")
             else:
                 host.close()  # the store's process has the socket now
-                return StoreClient(host.client_host, host.port, STORE_TIMEOUT)
-        return host.start()
+                return lifeline
+        host.start()
+        return None

@@ -37,6 +37,7 @@ class StoreHost:
 
     def __init__(self, endpoint: Endpoint, listen: str) -> None:
         address = ipaddress.ip_address(listen)
+        self.listen = listen
         self.client_host = ("::1" if address.version == 6 else "127.0.0.1") if address.is_unspecified else listen
         """Where this machine's own clients (the agent, a local status) reach the store."""
         self.sock = socket.socket(socket.AF_INET6 if address.version == 6 else socket.AF_INET, socket.SOCK_STREAM)

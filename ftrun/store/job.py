@@ -330,23 +330,6 @@ class JobStore:
         except MalformedValue:
             return False
 
-    # ------------------------------------------------------------ attempts
-    def clear_worker_keys(self) -> None:
-        """Delete what the workers of an ended attempt wrote (process group addresses, barrier counters).
-
-        Call it once they are all gone: the next group's ``init_process_group`` would otherwise read the
-        dead workers' addresses and fail to connect (pytorch#135712). ftrun's own keys are namespaced per
-        attempt, and stay. A backend that cannot list its keys (older torch) leaves everything.
-        """
-        list_keys = getattr(self.kv, "list_keys", None)
-        try:
-            listed = list_keys() if list_keys is not None else []
-        except RuntimeError:  # a server that does not know the query
-            listed = []
-        for key in listed:
-            if not key.startswith(keys.OWN_PREFIX):
-                self.kv.delete_key(key)
-
     # ------------------------------------------------------------ plans
     def publish_plan(self, attempt: int, plan: Plan) -> None:
         """Record ``plan`` as the current generation of ``attempt`` (for people and tools: workers get their

@@ -46,7 +46,8 @@ def test_each_agent_gets_the_launchers_configuration_with_its_own_part_filled_in
                                                                                   "node1", "job7_abcd1234")
     assert agent.hosts is None and not agent.host_store and agent.under_launcher and agent.multinode
     assert agent.xid_table[13] == (Action.EVICT_GPU, "graphics engine exception")
-    env = worker_env(agent, rank=4, local_rank=0, uid=4, restart_count=0, store_port=29511, run_dir="/runs/r")
+    env = worker_env(agent, rank=4, local_rank=0, uid=4, restart_count=0,
+                     store=Endpoint("node0", 29511), run_dir="/runs/r")
     assert env["FTRUN_REFRESH_EVERY"] == "3"  # --refresh-every reaches every worker of every host
 
 
