@@ -330,17 +330,10 @@ class EtcdKeyValue:
         answer = self._cluster.call("kv/deleterange", {"key": b64(self._key(key))})
         return str(answer.get("deleted", "0")) != "0"
 
-    def list_keys(self) -> list[str]:
-        """Every key of this job (without the job's prefix)."""
-        return list(self._read_range(self._prefix, keys_only=True))
-
     def read_prefix(self, prefix: str) -> dict[str, bytes]:
         """Every key that starts with ``prefix`` and its value, in one read that does not wait."""
-        return self._read_range(self._key(prefix), keys_only=False)
-
-    def _read_range(self, start: bytes, keys_only: bool) -> dict[str, bytes]:
-        answer = self._cluster.call("kv/range", {"key": b64(start), "range_end": b64(prefix_end(start)),
-                                         "keys_only": keys_only})
+        start = self._key(prefix)
+        answer = self._cluster.call("kv/range", {"key": b64(start), "range_end": b64(prefix_end(start))})
         try:
             return {_unb64(kv["key"])[len(self._prefix):].decode(errors="replace"): _unb64(kv.get("value", ""))
                     for kv in answer.get("kvs") or []}

@@ -74,7 +74,6 @@ class Query(IntEnum):
     MULTI_GET = 10
     CANCEL_WAIT = 12
     PING = 13
-    LIST_KEYS = 17
 
 
 CHECK_READY = 0
@@ -139,7 +138,7 @@ class StoreClient:
         self._wake_lock = threading.Lock()  # an interrupt() never writes to the pipe's numbers once closed
         self._interrupted = False
         patience = timeout if connect_timeout is None else connect_timeout
-        self._patience = patience  # for the connections list_keys and wait_any open
+        self._patience = patience  # for the connections wait_any opens
         if first_connect_timeout is not None:
             patience = first_connect_timeout
         deadline = time.monotonic() + patience
@@ -312,19 +311,6 @@ class StoreClient:
     def delete_key(self, key: str) -> bool:
         """Delete ``key``; whether it existed."""
         return self._call(bytes([Query.DELETE_KEY]) + self._key(key), None, self._recv_i64) == 1
-
-    def list_keys(self) -> list[str]:
-        """Every key in the store, as the clients name them (torch's own, without the client's prefix, too).
-
-        Asked on a connection of its own: a server from before LIST_KEYS closes the connection that asks
-        (StoreError here), and this one stays usable.
-        """
-        def read(deadline: float) -> list[str]:
-            raw = [asking._recv_blob(deadline).decode(errors=KEY_ERRORS) for _ in range(asking._recv_i64(deadline))]
-            return [key.removeprefix(KEY_PREFIX) for key in raw]
-
-        with StoreClient(*self._address, self.timeout, self._patience, wakeable=False) as asking:
-            return asking._call(bytes([Query.LIST_KEYS]), None, read)
 
     def num_keys(self) -> int:
         """How many keys the store holds (torch counts some of its own)."""

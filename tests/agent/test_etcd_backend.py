@@ -31,7 +31,7 @@ def etcd_flags(cluster, run_id: str) -> list[str]:
 
 
 def keys_of(cluster, run_id: str) -> list[str]:
-    return EtcdKeyValue(etcd_options(cluster.endpoints, run_id, {})).list_keys()
+    return list(EtcdKeyValue(etcd_options(cluster.endpoints, run_id, {})).read_prefix(""))
 
 
 def test_two_nodes_on_etcd_find_the_group_store_there_and_survive_a_lost_worker(

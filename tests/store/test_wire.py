@@ -68,33 +68,6 @@ def test_what_torch_writes_ftrun_reads_and_back(server):
         assert ours.delete_key("cas") and not ours.delete_key("cas") and not torch_client.check(["cas"])
 
 
-LISTS_KEYS = pytest.mark.skipif(not hasattr(TCPStore, "list_keys"), reason="this torch's TCPStore lists no keys")
-"""The tests of LIST_KEYS, which a server from before it (torch 2.6) answers by closing the connection."""
-
-
-@LISTS_KEYS
-def test_keys_are_listed_as_torch_lists_them_and_the_connection_stays_usable(server):
-    master, torch_client = server
-    with StoreClient("127.0.0.1", master.port, PATIENT) as ours:
-        torch_client.set("worker/addr", "x")
-        ours.set("ftrun/run", "r")
-        assert sorted(ours.list_keys()) == sorted(torch_client.list_keys())
-        assert {"worker/addr", "ftrun/run"} <= set(ours.list_keys())
-        assert ours.delete_key("worker/addr") and "worker/addr" not in ours.list_keys()
-        assert ours.get("ftrun/run") == b"r"
-
-
-@LISTS_KEYS
-def test_a_key_that_is_not_utf8_is_listed_under_a_name_that_deletes_it(server):
-    """Anyone who reaches the store may set such a key; the agent lists every key to clear a dead attempt's."""
-    master, _ = server
-    name = b"worker/\xff\xfe".decode(errors="surrogateescape")
-    with StoreClient("127.0.0.1", master.port, PATIENT) as ours:
-        ours.set(name, b"v")
-        assert name in ours.list_keys()
-        assert ours.delete_key(name) and name not in ours.list_keys()
-
-
 def test_wait_returns_once_another_client_sets_the_key(server):
     master, torch_client = server
     with StoreClient("127.0.0.1", master.port, PATIENT) as ours:
