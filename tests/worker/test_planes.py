@@ -174,7 +174,8 @@ def test_the_next_generation_forms_while_the_last_ones_abort_still_runs(free_por
     # must not wait for it. The backend's abort is made to block until released, in place of NCCL's.
     released = threading.Event()
     monkeypatch.setattr(backends, "ABORTING", ("gloo",))  # abort the Gloo data group as NCCL's is aborted
-    monkeypatch.setattr(dist.ProcessGroup, "abort", lambda group: released.wait(60))
+    # (a torch whose groups have no abort() of their own, 2.6, is given one: backends looks for it first)
+    monkeypatch.setattr(dist.ProcessGroup, "abort", lambda group: released.wait(60), raising=False)
     store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
     planes = Planes(store, attempt=0, uid=0, backend="gloo", timeout=timedelta(seconds=30))
     try:
