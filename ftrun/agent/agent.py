@@ -188,10 +188,9 @@ class Agent:
                            last_step=max(self.coordination.last_step.values(), default=None))
             self.rescued = self.rescued or self.coordination.saved_step >= 0
             if self.leader and self.restarts.leader_restarts(result, self.restart_count, self.fenced,
-                                                             self.coordination):
+                                                             self.coordination) and self._serve_attempt_store(result):
                 self.restart_count += 1
                 self.restarted_after = min((f.when for f in result.failures), default=time.time())
-                self.pool.rendezvous = self.access.serve_attempt_store(self.pool.fork_server)
                 # after: the others start theirs
                 self.coordination.close(result.reason, restart=Restart(self.restart_count, self.pool.rendezvous))
                 self.console.notice(f"ftrun: {result.reason}; restarting the group "
@@ -221,6 +220,16 @@ class Agent:
             self.log.write(events.END, outcome="failed", reason=result.reason)
             self._summarise()
             return EXIT_WORKERS_FAILED
+
+    def _serve_attempt_store(self, result: AttemptResult) -> bool:
+        """Serve the store the restarted attempt's workers rendezvous in; whether it is served (if not, the
+        attempt's reason says why there is no restart)."""
+        try:
+            self.pool.rendezvous = self.access.serve_attempt_store(self.pool.fork_server)
+        except (OSError, RuntimeError, UsageError) as exc:  # no address, no port, or torch's server failed
+            result.reason = f"{result.reason}; no group restart: its workers' store could not be served: {exc}"
+            return False
+        return True
 
     def _summarise(self) -> None:
         """The leader's last line: steps, faults, recoveries, time lost, goodput."""
