@@ -65,8 +65,8 @@ class ForkRefused(Exception):
         self.gone = gone
 
     def notice(self, instead: str) -> str:
-        """The line that says so: what ftrun does ``instead`` of this request, or, the server gone, from now on."""
-        return f"ftrun: {self}; workers start as new processes from now on" if self.gone else f"ftrun: {self}; {instead}"
+        """The line that says so, with what ftrun does ``instead`` (the server gone: what it does from now on)."""
+        return f"ftrun: {self}; {'workers start as new processes from now on' if self.gone else instead}"
 
 
 def can_serve(command: list[str]) -> bool:

@@ -120,7 +120,7 @@ class WorkerPool:
                 return fork_worker(server, slot, env, error_file)
             except ForkRefused as refused:
                 if refused.gone:  # a refusal of this worker alone is not worth a line
-                    self.console.notice(refused.notice(""), style="yellow")
+                    self.console.notice(refused.notice("this worker starts as a new process"), style="yellow")
         return spawn_worker(slot, self.config.command, env, error_file)
 
     # ------------------------------------------------------------ the fork server
