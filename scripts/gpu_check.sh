@@ -3,9 +3,10 @@
 # size 1), its comm hook and commit on CUDA tensors and the stream order of their results, its state manifest of a
 # CUDA model and the hook's cost per bucket (scripts/gpu_check.py); both examples under ftrun on that GPU; then four
 # workers sharing the GPU, one of them SIGKILLed and recovered in place, and again with --respawn, where the
-# replacement receives the CUDA state from a peer (scripts/gpu_drill.py); last, what torch's native in-place
-# reconfigure does on both NCCL backends with one rank (scripts/reconfigure_probe.py: store use, reconfigure after
-# ftrun's abort) and ftrun's planes re-formed by it (gpu_check.py --planes native), reported
+# replacement receives the CUDA state from a peer (scripts/gpu_drill.py); a group restart of a plain NCCL script,
+# whose second attempt forms its communicator in a store of its own (tests/workloads/allreduce.py); last, what
+# torch's native in-place reconfigure does on both NCCL backends with one rank (scripts/reconfigure_probe.py: store
+# use, reconfigure after ftrun's abort) and ftrun's planes re-formed by it (gpu_check.py --planes native), reported
 # and never failing the check. Needs a GPU and ftrun's dependencies (`pip
 # install -e '.[gpu]'`, or torch, typer, rich, psutil and nvidia-ml-py already there); prints what it measured and
 # ends with "gpu check: all passed".
@@ -25,6 +26,12 @@ for example in train_ddp train_fsdp; do
   python -m ftrun --nproc-per-node 1 "examples/$example.py" --steps 20 2>&1 | tail -3
 done
 python scripts/gpu_drill.py
+restart=$(python -m ftrun --nproc-per-node 1 --max-restarts 1 tests/workloads/allreduce.py --backend nccl \
+  --crash-first-attempt 2>&1) || true  # its output says what went wrong
+grep -qx "\[default0\]: attempt 1 store holds: left_by_attempt_0 False, ftrun/job False" <<<"$restart" \
+  && grep -qx "\[default0\]: attempt 1 step 1 sum 1 world 1" <<<"$restart" \
+  || { echo "$restart"; echo "group restart on NCCL: the second attempt did not form its group in a new store"; exit 1; }
+echo "group restart on NCCL: attempt 1 formed its communicator in a new store"
 for nccl2 in 0 1; do  # the old NCCL backend and the rewritten one (torch 2.15's default)
   TORCH_DIST_USE_NCCL2=$nccl2 timeout 120 python scripts/reconfigure_probe.py --backend nccl \
     || echo "reconfigure probe (TORCH_DIST_USE_NCCL2=$nccl2): exited with $? (a finding, not a failure)"

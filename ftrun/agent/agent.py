@@ -173,10 +173,10 @@ class Agent:
             if self.store is None:  # registered once it answers
                 with answering(self.config.etcd):
                     self._serve_store(mail_w)
-            pids = " ".join(str(w.pid) for w in self.pool.all())
-            self.console.notice(f"ftrun: run {self.config.run_id}, attempt {self.restart_count}: "
-                                f"{len(self.pool.all())} workers (pids {pids}); events in {self.run_dir}/events.jsonl",
-                                style="dim")
+            started = self.pool.all()
+            self.console.notice(f"ftrun: run {self.config.run_id}, attempt {self.restart_count}: {len(started)} "
+                                f"worker{'s' if len(started) != 1 else ''} (pids {' '.join(str(w.pid) for w in started)});"
+                                f" events in {self.run_dir}/events.jsonl", style="dim")
             self.coordination = self._coordination()
             self.status.coordination, self.status.attempt = self.coordination, self.restart_count
             for worker in self.pool.all():
