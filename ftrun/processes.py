@@ -7,6 +7,7 @@ import os
 import signal
 from collections.abc import Iterable
 from types import TracebackType
+from typing import Any
 
 _PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -37,6 +38,24 @@ class Stopped(BaseException):
 
 def _stop(signum: int, frame: object) -> None:
     raise Stopped(signum)
+
+
+def quit_on_signals() -> dict[int, Any]:
+    """Make SIGINT, SIGTERM and SIGHUP end this process at once, with 128 + their number and nothing printed,
+    where their disposition is the default (one ignored stays ignored): for the command's first moments, while
+    it imports its command line and nothing has started (a KeyboardInterrupt traceback otherwise, or a death by
+    the signal). Returns the dispositions replaced, for the caller to put back."""
+    replaced: dict[int, Any] = {}
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        current = signal.getsignal(sig)
+        if current is signal.SIG_DFL or current is signal.default_int_handler:
+            replaced[sig] = current
+            signal.signal(sig, _quit)
+    return replaced
+
+
+def _quit(signum: int, frame: object) -> None:
+    os._exit(128 + signum)
 
 
 def stop_on_signals() -> None:
