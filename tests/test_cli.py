@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 
@@ -52,13 +53,21 @@ def test_shell_completion_completes_subcommands_and_flags(launcher_env):
     assert script.returncode == 0 and "_FTRUN_COMPLETE=complete_bash" in script.stdout
 
 
+def _default_signals() -> None:
+    """In the child, before Python starts: the signals' default dispositions, as a terminal gives them (a test
+    run in a shell's background job inherits SIGINT ignored, which ftrun rightly leaves ignored)."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig", [2, 15, 1], ids=["SIGINT", "SIGTERM", "SIGHUP"])
 def test_a_signal_while_the_command_line_is_imported_ends_ftrun_quietly(sig):
     """The ``ftrun`` command imports its command line with such a signal ending it at once: 128 + its number,
     nothing printed (before, Ctrl-C there printed a KeyboardInterrupt traceback)."""
     imports = ("import os, time; from ftrun.processes import quit_on_signals; quit_on_signals(); "
                f"os.kill(os.getpid(), {sig}); time.sleep(20)")
-    res = subprocess.run([sys.executable, "-c", imports], capture_output=True, text=True, timeout=30)
+    res = subprocess.run([sys.executable, "-c", imports], capture_output=True, text=True, timeout=30,
+                         preexec_fn=_default_signals)
     assert (res.returncode, res.stdout, res.stderr) == (128 + sig, "", "")
 
 
@@ -67,5 +76,6 @@ def test_a_signal_ignored_at_the_start_stays_ignored_while_the_command_line_is_i
     imports = ("import os, signal; signal.signal(signal.SIGHUP, signal.SIG_IGN); "
                "from ftrun.processes import quit_on_signals; replaced = quit_on_signals(); "
                "os.kill(os.getpid(), signal.SIGHUP); print(sorted(replaced))")
-    res = subprocess.run([sys.executable, "-c", imports], capture_output=True, text=True, timeout=30)
+    res = subprocess.run([sys.executable, "-c", imports], capture_output=True, text=True, timeout=30,
+                         preexec_fn=_default_signals)
     assert (res.returncode, res.stdout, res.stderr) == (0, "[<Signals.SIGINT: 2>, <Signals.SIGTERM: 15>]\n", "")
