@@ -174,9 +174,10 @@ class Agent:
                 with answering(self.config.etcd):
                     self._serve_store(mail_w)
             started = self.pool.all()
+            pids = " ".join(str(w.pid) for w in started)
             self.console.notice(f"ftrun: run {self.config.run_id}, attempt {self.restart_count}: {len(started)} "
-                                f"worker{'s' if len(started) != 1 else ''} (pids {' '.join(str(w.pid) for w in started)});"
-                                f" events in {self.run_dir}/events.jsonl", style="dim")
+                                f"worker{'s' if len(started) != 1 else ''} (pids {pids}); events in "
+                                f"{self.run_dir}/events.jsonl", style="dim")
             self.coordination = self._coordination()
             self.status.coordination, self.status.attempt = self.coordination, self.restart_count
             for worker in self.pool.all():

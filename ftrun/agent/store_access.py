@@ -81,10 +81,11 @@ class StoreAccess:
         config = self.config
         if self.store_host is not None:
             self.serve_hosted(fork_server)
-            if config.etcd is None:
+            if config.etcd is None:  # this agent's connection to it (served here: torch's own handle)
                 host = self.store_host
-                served = host.store if host.store is not None else StoreClient(host.client_host, host.port, STORE_TIMEOUT)
-                return JobStore(served, self.seal)
+                if host.store is not None:
+                    return JobStore(host.store, self.seal)
+                return JobStore(StoreClient(host.client_host, host.port, STORE_TIMEOUT), self.seal)
             # with several nodes, node 0 fences too when etcd does not answer: calls short enough to do it in time
             store = self.connect(fence_margin(config.node_timeout) / 2 if config.multinode else STORE_TIMEOUT)
             store.publish_group_store(config.store.host, config.store.port)
@@ -127,7 +128,11 @@ class StoreAccess:
         config, hosted = self.config, self.store_host
         listen = hosted.listen if hosted is not None else address_toward(config.store.host, config.store.port)
         host = StoreHost(Endpoint(listen, 0), listen)
-        lifeline = self._serve(host, server)
+        try:
+            lifeline = self._serve(host, server)
+        except BaseException:
+            host.close()  # its socket, where torch's server did not take it
+            raise
         self._end_attempt_store()
         self.attempt_store = host, lifeline
         return Endpoint(config.master_addr if hosted is not None else listen, host.port)
