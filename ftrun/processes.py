@@ -45,13 +45,7 @@ def quit_on_signals() -> dict[int, Any]:
     where their disposition is the default (one ignored stays ignored): for the command's first moments, while
     it imports its command line and nothing has started (a KeyboardInterrupt traceback otherwise, or a death by
     the signal). Returns the dispositions replaced, for the caller to put back."""
-    replaced: dict[int, Any] = {}
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        current = signal.getsignal(sig)
-        if current is signal.SIG_DFL or current is signal.default_int_handler:
-            replaced[sig] = current
-            signal.signal(sig, _quit)
-    return replaced
+    return _where_default((signal.SIGINT, signal.SIGTERM, signal.SIGHUP), _quit)
 
 
 def _quit(signum: int, frame: object) -> None:
@@ -62,9 +56,19 @@ def stop_on_signals() -> None:
     """Make SIGTERM and SIGHUP raise :class:`Stopped` in the main thread, where their disposition is the default
     (one ignored, as under ``nohup``, stays ignored): a process killed by them skips its clean-up, which the
     ``finally`` blocks an exception runs do not."""
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        if signal.getsignal(sig) is signal.SIG_DFL:
-            signal.signal(sig, _stop)
+    _where_default((signal.SIGTERM, signal.SIGHUP), _stop)
+
+
+def _where_default(signals: Iterable[int], handler: Any) -> dict[int, Any]:
+    """Set ``handler`` for each of ``signals`` whose disposition is the default (the system's, or Python's
+    KeyboardInterrupt for SIGINT); the dispositions replaced, by signal."""
+    replaced: dict[int, Any] = {}
+    for sig in signals:
+        current = signal.getsignal(sig)
+        if current is signal.SIG_DFL or current is signal.default_int_handler:
+            replaced[sig] = current
+            signal.signal(sig, handler)
+    return replaced
 
 
 def ignore_late_signals() -> None:
