@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import signal
@@ -70,10 +71,19 @@ def report_of(stderr: str) -> str:
     return "\n".join(lines[start:])
 
 
-def launch_both(torchrun_args: list[str], ftrun_args: list[str], env: dict[str, str]):
-    """Run torchrun and ftrun side by side (they don't share ports or output dirs); return both results."""
-    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for cmd in ([*TORCHRUN, *torchrun_args], [*FTRUN, *ftrun_args])]
+@functools.cache
+def torchrun_help() -> str:
+    """The help of the torchrun installed beside the tests: torch 2.6's lacks flags that today's has."""
+    return subprocess.run([*TORCHRUN, "--help"], capture_output=True, text=True, timeout=120).stdout
+
+
+def launch_both(torchrun_args: list[str], ftrun_args: list[str], env: dict[str, str],
+                torchrun_env: dict[str, str] | None = None):
+    """Run torchrun and ftrun side by side (they don't share ports or output dirs), torchrun with
+    ``torchrun_env`` added to ``env``; return both results."""
+    procs = [subprocess.Popen(cmd, env=cmd_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for cmd, cmd_env in (([*TORCHRUN, *torchrun_args], {**env, **(torchrun_env or {})}),
+                                  ([*FTRUN, *ftrun_args], env))]
     results = []
     for proc in procs:
         try:
@@ -85,7 +95,8 @@ def launch_both(torchrun_args: list[str], ftrun_args: list[str], env: dict[str, 
 
 
 # ------------------------------------------------------------------------------------ 1. environment
-def _assert_env_parity(tmp_path, workload, launcher_env, extra_t, extra_f, check_per_launch):
+def _assert_env_parity(tmp_path, workload, launcher_env, extra_t, extra_f, check_per_launch,
+                        per_launch=PER_LAUNCH):
     t_dir, f_dir = tmp_path / "torchrun", tmp_path / "ftrun"
     t_dir.mkdir()
     f_dir.mkdir()
@@ -96,14 +107,16 @@ def _assert_env_parity(tmp_path, workload, launcher_env, extra_t, extra_f, check
     assert f_res.returncode == 0, f_res.stderr
     t_envs, f_envs = read_envs(t_dir), read_envs(f_dir)
     assert set(t_envs) == set(f_envs) == {"env_0_0", "env_0_1"}
+    # ftrun sets what today's torchrun sets; an older torchrun (2.6) lacks the variable of a flag it lacks
+    newer = set() if "--signals-to-handle" in torchrun_help() else {"TORCHELASTIC_SIGNALS_TO_HANDLE"}
     for name in t_envs:
         t_env = added(t_envs[name], launcher_env)
         f_env = added(f_envs[name], launcher_env)
         assert FTRUN_CORE_VARS <= set(f_env), f"ftrun's own variables missing: {FTRUN_CORE_VARS - set(f_env)}"
-        f_env = {k: v for k, v in f_env.items() if not k.startswith("FTRUN_")}
+        f_env = {k: v for k, v in f_env.items() if not k.startswith("FTRUN_") and k not in newer}
         assert set(f_env) == set(t_env), f"only torchrun: {set(t_env) - set(f_env)}; only ftrun: {set(f_env) - set(t_env)}"
-        assert {k: v for k, v in f_env.items() if k not in PER_LAUNCH} == \
-               {k: v for k, v in t_env.items() if k not in PER_LAUNCH}
+        assert {k: v for k, v in f_env.items() if k not in per_launch} == \
+               {k: v for k, v in t_env.items() if k not in per_launch}
         local_rank = name.rsplit("_", 1)[1]
         for env in (t_env, f_env):
             assert Path(env["TORCHELASTIC_ERROR_FILE"]).parts[-3:] == ("attempt_0", local_rank, "error.json")
@@ -112,11 +125,16 @@ def _assert_env_parity(tmp_path, workload, launcher_env, extra_t, extra_f, check
 
 def test_worker_env_matches_torchrun_with_default_rendezvous(tmp_path, workload, launcher_env):
     def per_launch(t_env, f_env):
-        assert f_env["MASTER_ADDR"] == t_env["MASTER_ADDR"] == "localhost"
+        # today's torchrun alone on one node rendezvouses on localhost, at a free port, with a fresh id; 2.6's
+        # kept to the static default (127.0.0.1:29500, id "none"), and ftrun does as today's on every torch
+        static = t_env["TORCHELASTIC_RUN_ID"] == "none"
+        assert (t_env["MASTER_ADDR"], t_env["MASTER_PORT"]) == ("127.0.0.1", "29500") if static \
+            else t_env["MASTER_ADDR"] == "localhost"
+        assert f_env["MASTER_ADDR"] == "localhost"
         assert f_env["TORCHELASTIC_RUN_ID"] not in ("", "none")  # a fresh id per run, like torchrun's uuid
         assert int(f_env["MASTER_PORT"]) > 0
 
-    _assert_env_parity(tmp_path, workload, launcher_env, [], [], per_launch)
+    _assert_env_parity(tmp_path, workload, launcher_env, [], [], per_launch, PER_LAUNCH | {"MASTER_ADDR"})
 
 
 def test_worker_env_matches_torchrun_with_explicit_master_port(tmp_path, workload, launcher_env, free_port):
@@ -209,9 +227,15 @@ def worker_lines(text: str, prefix: str) -> list[str]:
 ], ids=["pet-variables", "abbreviation-and-template", "empty-template"])
 def test_console_output_matches_torchrun(tmp_path, workload, launcher_env, torchrun_flags, ftrun_flags, env, prefix):
     logs = {name: ["--log-dir", str(tmp_path / name)] for name in ("torchrun", "ftrun")}
+    torchrun_env = {}
+    flag = "--log-line-prefix-template"
+    if flag in torchrun_flags and flag not in torchrun_help():  # torch 2.6's torchrun takes the variable alone
+        at = torchrun_flags.index(flag)
+        torchrun_env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = torchrun_flags[at + 1]
+        torchrun_flags = torchrun_flags[:at] + torchrun_flags[at + 2:]
     t_res, f_res = launch_both(["--nproc-per-node", "2", *logs["torchrun"], *torchrun_flags, workload("echo_lines.py")],
                                ["--nproc-per-node", "2", *logs["ftrun"], *ftrun_flags, workload("echo_lines.py")],
-                               {**launcher_env, **env})
+                               {**launcher_env, **env}, torchrun_env)
     assert t_res.returncode == 0 and f_res.returncode == 0, (t_res.stderr, f_res.stderr)
     for stream in ("stdout", "stderr"):
         expected = worker_lines(getattr(t_res, stream), prefix)
