@@ -100,8 +100,10 @@ written once for all nodes and waited for by each (no bell)."""
 
 def broadcast_count(sender: str) -> str:
     """How many broadcasts ``sender`` has written (sealed): tells a reader that starts late which of them are
-    gone (the sender keeps only its last ones)."""
-    return f"ftrun/mail/{BROADCAST}/{sender}/n"
+    gone (the sender keeps only its last ones). It sits beside the broadcasts, not under their prefix: each
+    reader's watch of them (etcd) then hears one event per broadcast, not two, which takes about a tenth off
+    etcd's work per watcher."""
+    return f"ftrun/mail/{BROADCAST}/{sender}.n"
 
 
 def reply(token: str) -> str:
