@@ -31,10 +31,13 @@ DEFAULTS_DIFFER = {
     "duplicate_stdout_filters": "refused, so kept as the raw text ('' for none)",
     "duplicate_stderr_filters": "refused, so kept as the raw text ('' for none)",
 }
-# Where the installed torch is older than the one ftrun follows (torch 2.15): flags its torchrun lacks, and
-# defaults it had before. ftrun keeps the current release's; the tests then check them against these.
-NEWER_FLAGS = {"--shutdown-timeout", "--shutdown_timeout", "--log-line-prefix-template",
-               "--log_line_prefix_template", "--print-completion", "--print_completion"}
+# Where the installed torch is older than the one ftrun follows (torch 2.15): flags its torchrun lacks (back to
+# 2.6, the oldest admitted), and defaults it had before. ftrun keeps the current release's; the tests then check
+# them against these.
+NEWER_FLAGS = {spelling for name in (
+    "shutdown-timeout", "log-line-prefix-template", "print-completion", "signals-to-handle", "virtual-local-rank",
+    "event-log-handler", "duplicate-stdout-filters", "duplicate-stderr-filters", "numa-binding")
+    for spelling in (f"--{name}", f"--{name.replace('-', '_')}")}
 OLDER_DEFAULTS = {"master_port": (29500, None)}  # (older torchrun's, the current one's): None reads as 29500
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 
