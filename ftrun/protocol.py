@@ -51,6 +51,7 @@ SLOW = "slow"  # a drill (`ftrun inject slow`): sleep `seconds` in each step, fo
 # a follower or the hostfile launcher -> the leader's mailbox
 WORKER_STARTED = "worker_start"  # a follower's worker started: {uid, pid, local_rank, rank, joiner}
 WORKER_MESSAGE = "msg"  # a follower's worker said something on its channel: {uid, msg}
+COMMITS = "commits"  # a follower's workers' latest commits, held and told together: {commits: [{uid, msg}, ...]}
 WORKER_EXITED = "exit"  # a follower's worker ended: {uid, code, failure (a WorkerFailure's fields) unless code 0}
 NODE_GONE = "node_gone"  # the hostfile launcher saw a node's agent end: {node, reason, since (wall clock)}
 NODE_STUCK = "node_stuck"  # every rank of a follower waits in a collective past its hang timeout: {node, gen, reason}
@@ -289,6 +290,16 @@ def worker_message_problem(message: Any) -> str | None:
     return _problem(message, FROM_WORKER)
 
 
+def _commits(value: Any) -> bool:
+    """A follower's workers' commits: a list of ``{uid, msg}``, each ``msg`` a valid ``progress`` message and each
+    uid once."""
+    return isinstance(value, list) and 0 < len(value) <= UID_STRIDE and all(
+        isinstance(entry, dict) and set(entry) == {"uid", "msg"} and is_int(entry["uid"])
+        and isinstance(entry["msg"], dict) and entry["msg"].get("t") == PROGRESS
+        and worker_message_problem(entry["msg"]) is None for entry in value) \
+        and len({entry["uid"] for entry in value}) == len(value)
+
+
 def _relayed(data: Any) -> bool:
     """Control messages for a worker, as JSON lines (the leader's relay through a follower)."""
     if not isinstance(data, str) or not data:
@@ -307,6 +318,7 @@ def _failure(value: Any) -> bool:
 MAIL: dict[str, dict[str, Check]] = {
     WORKER_STARTED: {"uid": is_int, "pid": is_int, "local_rank": is_int, "rank": is_optional_int, "joiner": is_flag},
     WORKER_MESSAGE: {"uid": is_int, "msg": lambda msg: worker_message_problem(msg) is None},
+    COMMITS: {"commits": _commits},
     WORKER_EXITED: {"uid": is_int, "code": is_int},
     NODE_GONE: {"node": is_int, "reason": is_text, "since": is_number},
     NODE_STUCK: {"node": is_int, "gen": is_int, "reason": is_text},

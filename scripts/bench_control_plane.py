@@ -13,9 +13,15 @@ store call of every simulated agent goes through a counter, and so does every ro
 HTTP request to an etcd member (a watch's stream included) or each message sent to TCPStore, counted where it
 is sent. Per N it reports:
 
-* idle load: store requests (round trips) per agent per second over ``--idle`` seconds with nothing to say,
-  the calls behind them by kind, and the share of the machine's CPU (all its cores) the simulated job used
-  meanwhile: on one machine a plan's delivery has only the rest;
+* idle load: store requests (round trips) per agent per second over ``--idle`` seconds with nothing to say
+  but each agent's status record (at the status cadence of a job of N nodes,
+  ftrun.agent.cadence.periodic_interval), the calls behind them by kind, and the share of the machine's CPU
+  (all its cores) the simulated job used meanwhile: on one machine a plan's delivery has only the rest;
+* training load: the same while every follower's ``--workers`` simulated workers commit a step every
+  ``--step-time`` seconds, as a training job's do: each follower tells the leader its workers' commits as an
+  agent does (ftrun.agent.cadence.ProgressRelay, at the cadence ftrun.agent.follower gives a job of N nodes, in
+  one write each time), and every agent publishes a status record of that many workers at the status cadence;
+  store requests per agent per second, and the commits the leader's reader took per second;
 * plan delivery: the leader broadcasts one message to every follower (as it relays a plan: one write,
   that each follower's reader waits for), ``--plans`` times; the latency from the start of each broadcast to
   the moment each follower's reader hands the message on, p50 and p99 over all followers and plans; and the
@@ -45,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import resource
 import select
 import selectors
@@ -58,7 +65,11 @@ from typing import Any
 
 import psutil
 
+from ftrun.agent.cadence import ProgressRelay, periodic_interval
 from ftrun.agent.failover import elect
+from ftrun.agent.follower import PROGRESS_FORWARD_INTERVAL
+from ftrun.agent.status_record import STATUS_INTERVAL
+from ftrun import protocol
 from ftrun.store import keys
 from ftrun.store.auth import Seal, new_secret
 from ftrun.store.client import open_client_retrying
@@ -166,8 +177,9 @@ class Plane:
     requests)."""
 
     def __init__(self, agents: int, node_timeout: float, monitor_interval: float, store: Callable[[], KeyValue],
-                 processes: int, watches_leader: bool, round_trips: RoundTrips) -> None:
+                 processes: int, watches_leader: bool, round_trips: RoundTrips, training: tuple[int, float]) -> None:
         self.store = store
+        self.workers, self.step_time = training  # each follower's simulated workers, and their step time
         self.watches_leader = watches_leader  # etcd: the leader keeps a lease, which the followers watch
         self.seal = Seal(new_secret())
         self.round_trips, self.lock = round_trips, threading.Lock()
@@ -208,22 +220,35 @@ class Plane:
                 by_call[name] = by_call.get(name, 0) + count
         return total, by_call, lapsed
 
-    def idle_load(self, seconds: float, monitor_interval: float) -> tuple[float, dict[str, float], float]:
-        """Store requests per agent per second while nothing happens but the leader's lease checks, in all and
-        by kind of call, and the share of the machine's CPU the simulation used meanwhile (every agent's leases
-        and looks, the store's work for them, the kernel's)."""
+    def load(self, how: bytes, seconds: float, monitor_interval: float) -> tuple[float, dict[str, float], float,
+                                                                                  float]:
+        """While the job runs ``how`` (``i``: idle, every agent publishing its status record and the leader
+        checking the followers' leases; ``t``: training, the followers telling the leader their workers' commits
+        too): store requests per agent per second, in all and by kind of call, the share of the machine's CPU
+        the simulation used (every agent's leases, looks and writes, the store's work for them, the kernel's),
+        and the messages the leader's reader took per second."""
+        for child in self.children:
+            child.run(how)
         start, calls, _ = self.requests_made()
-        began, busy = time.monotonic(), busy_cpu()
+        began, busy, taken = time.monotonic(), busy_cpu(), 0
+        status, next_status = Training.status_record(0, self.workers), began
         while time.monotonic() - began < seconds:
-            self.node_leases.expired(time.monotonic())
-            time.sleep(monitor_interval)
+            now = time.monotonic()
+            self.node_leases.expired(now)
+            if now >= next_status:
+                self.leader.write_status(0, status)
+                next_status = now + periodic_interval(self.agents, STATUS_INTERVAL)
+            if select.select([self.leader_pipe], [], [], monitor_interval)[0]:
+                os.read(self.leader_pipe, 4096)
+                taken += len(self.leader_reader.take())
         made, by_call, _ = self.requests_made()
-        made -= start
-        by_call = {name: count - calls.get(name, 0) for name, count in by_call.items()}
         took = time.monotonic() - began
+        cpu = (busy_cpu() - busy) / took / (os.cpu_count() or 1)
+        for child in self.children:
+            child.run(b"x")
         per_agent = self.agents * took
-        return (made / per_agent, {name: count / per_agent for name, count in by_call.items() if count},
-                (busy_cpu() - busy) / took / (os.cpu_count() or 1))
+        by_call = {name: (count - calls.get(name, 0)) / per_agent for name, count in by_call.items()}
+        return (made - start) / per_agent, {name: rate for name, rate in by_call.items() if rate}, cpu, taken / took
 
     def broadcast(self, plan: int, within: float = 60.0) -> list[float]:
         """Send one message to every follower's box; each follower's delivery latency in seconds (the
@@ -325,6 +350,61 @@ class Plane:
         os.close(self.wake)
 
 
+class Training:
+    """What some followers write while a job runs, a thread each: every node publishes its status record at the
+    status cadence of a job of the plane's size; where ``commits``, every ``step_time`` seconds each of its
+    ``workers`` commits a step too, told to the leader as an agent tells it (a ProgressRelay at that size's
+    cadence, its commits in one message). Each node starts at a random phase of both, as nodes do."""
+
+    def __init__(self, plane: Plane, nodes: list[int], commits: bool) -> None:
+        self.plane, self.nodes, self.commits = plane, nodes, commits
+        self.stopping = threading.Event()
+        self.threads = [threading.Thread(target=self._node, args=(node,), daemon=True) for node in nodes]
+        for thread in self.threads:
+            thread.start()
+
+    @staticmethod
+    def status_record(node: int, workers: int) -> dict[str, Any]:
+        """A node record of ``workers`` workers, of the size and shape an agent publishes."""
+        entries = [{"uid": node * 100000 + i, "rank": node * workers + i, "local_rank": i, "pid": 100000 + i,
+                    "state": "running", "exit": None, "step": 1000, "step_time": 0.5, "since_progress": 0.2,
+                    "cpu_percent": 99.0, "rss": 1 << 30, "gpu": None} for i in range(workers)]
+        return {"node_rank": node, "host": f"host{node}", "agent_pid": 1000, "time": time.time(), "attempt": 0,
+                "workers": entries, "dropped": {"mail": 0, "channel": 0, "last": None}, "events": []}
+
+    def _node(self, node: int) -> None:
+        plane = self.plane
+        store = plane.connect()
+        outbox = Outbox(store, keys.node_box(node))
+        relay = ProgressRelay(periodic_interval(plane.agents, PROGRESS_FORWARD_INTERVAL))
+        status_every = periodic_interval(plane.agents, STATUS_INTERVAL)
+        record = self.status_record(node, plane.workers)
+        uids = [entry["uid"] for entry in record["workers"]]
+        started, phase = time.monotonic(), random.random()
+        next_step, next_status, step = started + phase * plane.step_time, started + phase * status_every, 0
+        if not self.commits:
+            next_step = float("inf")
+        try:
+            while not self.stopping.wait(max(0.0, min(next_step, next_status) - time.monotonic())):
+                now = time.monotonic()
+                if now >= next_step:
+                    step, next_step = step + 1, next_step + plane.step_time
+                    first = [relay.commit(uid, {"t": protocol.PROGRESS, "gen": 0, "step": step, "time": time.time(),
+                                                "step_time": plane.step_time}) for uid in uids]
+                    if any(first) or relay.due(now):
+                        outbox.send(keys.LEADER_BOX, relay.take(now))
+                if now >= next_status:
+                    store.write_status(node, record)
+                    next_status += status_every
+        except RuntimeError as exc:
+            print(f"node {node}: training stopped: {exc}", file=sys.stderr)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        for thread in self.threads:
+            thread.join()
+
+
 class Follower:
     """A forked process running the readers and leases of some simulated followers; it writes a line
     ``GEN TIME`` to its results pipe for each message a reader hands on, answers ``r`` on its command
@@ -383,6 +463,7 @@ class Follower:
             reader.start()
         writing = threading.Lock()
         stopping = threading.Event()
+        training: Training | None = None
 
         def tell(out: Any, line: str) -> None:
             with writing:
@@ -404,7 +485,14 @@ class Follower:
                                     lambda learnt: tell(out, "F {} {} {}".format(*learnt) if learnt else "F -"),
                                     lambda: tell(out, "S"), stopping)).start()
                             continue
+                        if command in (b"i", b"t", b"x"):  # the job runs idle, or trains; or that stops
+                            if training is not None:
+                                training.stop()
+                            training = Training(plane, nodes, command == b"t") if command != b"x" else None
+                            continue
                         if command != b"r":  # closed: the bench is done
+                            if training is not None:
+                                training.stop()
                             stopping.set()
                             for worker in [*readers, *leases]:
                                 worker.stop()
@@ -436,6 +524,11 @@ class Follower:
             self._read()
         made, by_call, lapsed = self._answers.pop(0)
         return made, by_call, lapsed
+
+    def run(self, how: bytes) -> None:
+        """Have this process's followers write what a job's nodes write: ``i`` idle (status records), ``t``
+        training (commits too), ``x`` nothing."""
+        os.write(self.commands, how)
 
     def hold_leases(self) -> None:
         """Have this process's followers take their leases, and watch the leader's (etcd)."""
@@ -516,6 +609,9 @@ def main() -> None:
     parser.add_argument("--agents", type=int, nargs="+", default=[16, 64, 256, 1024])
     parser.add_argument("--idle", type=float, default=10.0, help="seconds of idle load measured per N")
     parser.add_argument("--plans", type=int, default=5, help="broadcasts measured per N")
+    parser.add_argument("--training", type=float, default=10.0, help="seconds of training load measured per N")
+    parser.add_argument("--workers", type=int, default=8, help="simulated workers per follower (default 8)")
+    parser.add_argument("--step-time", type=float, default=0.5, help="their step time in seconds (default 0.5)")
     parser.add_argument("--processes", type=int, default=16, help="processes the simulated followers are spread "
                         "over (default 16; 1: every follower in one process, as before)")
     parser.add_argument("--node-timeout", type=float, default=10.0, help="as ftrun's --node-timeout (default 10)")
@@ -529,19 +625,21 @@ def main() -> None:
     backend = f"etcd at {args.etcd}" if args.etcd else "embedded store (TCPStore)"
     print(f"{backend}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; "
           f"--node-timeout {args.node_timeout:g}; followers in {args.processes} processes")
-    print(f"{'agents':>7} {'idle requests/agent/s':>22} {'idle CPU %':>10} {'plan p50 ms':>12} {'plan p99 ms':>12} "
+    print(f"{'agents':>7} {'idle requests/agent/s':>22} {'idle CPU %':>10} {'training requests/agent/s':>26} "
+          f"{'leader commits/s':>17} {'plan p50 ms':>12} {'plan p99 ms':>12} "
           f"{'store ms/plan':>14} {'machine ms/plan':>16} {'end seen p50/max s':>19} {'failover p50 s':>15} "
           f"{'failover max s':>15}  idle calls/agent/s, by kind")
     for agents in args.agents:
         connect, store_cpu = etcd_store(args.etcd, agents) if args.etcd else embedded_store()
         plane = Plane(agents, args.node_timeout, args.monitor_interval, connect, args.processes, bool(args.etcd),
-                      round_trips)
+                      round_trips, (args.workers, args.step_time))
         try:
             # every reader connected and waiting on its bell: 1,024 agents starting at once on 2 cores (their
             # connections, leases and watches) took more than a minute on a loaded day
             plane.broadcast(0, within=STARTUP_WAIT)
             plane.hold_leases(args.monitor_interval)
-            idle, by_call, idle_cpu = plane.idle_load(args.idle, args.monitor_interval)
+            idle, by_call, idle_cpu, _ = plane.load(b"i", args.idle, args.monitor_interval)
+            training, _, _, commits = plane.load(b"t", args.training, args.monitor_interval)
             before, machine_before = (store_cpu() if store_cpu else 0.0), busy_cpu()
             latencies = [t for plan in range(1, args.plans + 1) for t in plane.broadcast(plan)]
             machine_ms = 1000 * (busy_cpu() - machine_before) / args.plans
@@ -556,15 +654,17 @@ def main() -> None:
                 failover = f"{seen:>19} {statistics.median(took):>15.2f} {max(took):>15.2f}"
         finally:
             plane.close()
-        print(f"{agents:>7} {idle:>22.2f} {100 * idle_cpu:>10.0f} {1000 * statistics.median(latencies):>12.1f} "
-              f"{1000 * percentile(latencies, 0.99):>12.1f} {store_ms} {machine_ms:>16.1f} {failover}  "
+        print(f"{agents:>7} {idle:>22.2f} {100 * idle_cpu:>10.0f} {training:>26.2f} {commits:>17.0f} "
+              f"{1000 * statistics.median(latencies):>12.1f} {1000 * percentile(latencies, 0.99):>12.1f} {store_ms} "
+              f"{machine_ms:>16.1f} {failover}  "
               + " ".join(f"{name} {rate:.2f}" for name, rate in sorted(by_call.items())), flush=True)
         if lapsed:
             print(f"        ({lapsed} followers' leases ended by the end of the plans: their keep-alives came later "
                   f"than --node-timeout, the machine overloaded)", flush=True)
     etcd = f" --etcd {args.etcd}" if args.etcd else ""
     print(f"command: python scripts/bench_control_plane.py --agents {' '.join(map(str, args.agents))}{etcd} "
-          f"--idle {args.idle:g} --plans {args.plans} --node-timeout {args.node_timeout:g} "
+          f"--idle {args.idle:g} --training {args.training:g} --workers {args.workers} --step-time "
+          f"{args.step_time:g} --plans {args.plans} --node-timeout {args.node_timeout:g} "
           f"--processes {args.processes}")
 
 

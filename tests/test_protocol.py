@@ -15,11 +15,13 @@ from ftrun.protocol import Plan, mail_problem, worker_message_problem
 pytestmark = pytest.mark.fast
 
 FAILURE = {"rank": 1, "local_rank": 1, "pid": 42, "exitcode": -9, "when": 1.5, "message": "", "traceback": ""}
+COMMIT = {"t": protocol.PROGRESS, "gen": 0, "step": 1, "time": 2.0, "step_time": 0.1}
 PLAN_LINE = json.dumps(Plan(3, [0, 2], "lost rank 1", lost=[1]).message())
 VALID_MAIL = [
     {"t": protocol.WORKER_STARTED, "uid": 100000, "pid": 7, "local_rank": 0, "rank": 2, "joiner": False},
     {"t": protocol.WORKER_STARTED, "uid": 100002, "pid": 7, "local_rank": 2, "rank": None, "joiner": True},
     {"t": protocol.WORKER_MESSAGE, "uid": 100000, "msg": {"t": protocol.ENTERED, "step": 3}},
+    {"t": protocol.COMMITS, "commits": [{"uid": 100000, "msg": COMMIT}, {"uid": 100001, "msg": COMMIT}]},
     {"t": protocol.WORKER_EXITED, "uid": 100000, "code": 0},
     {"t": protocol.WORKER_EXITED, "uid": 100000, "code": -9, "failure": FAILURE},
     {"t": protocol.NODE_GONE, "node": 1, "reason": "ssh ended", "since": 12.5},
@@ -68,6 +70,12 @@ def test_every_message_ftrun_posts_is_accepted(message):
     ({"t": protocol.RELAY, "uid": 1, "data": '{"t": "slow", "seconds": 1, "duration": NaN}'}, "field 'data'"),
     ({"t": protocol.WORKER_MESSAGE, "uid": 1, "msg": {"t": protocol.PROGRESS, "gen": 0}}, "field 'msg'"),
     ({"t": protocol.RELAY, "uid": 1, "data": "not json"}, "field 'data'"),
+    ({"t": protocol.COMMITS, "commits": []}, "field 'commits'"),
+    ({"t": protocol.COMMITS, "commits": [{"uid": 1, "msg": COMMIT}] * 2}, "field 'commits'"),  # a worker twice
+    ({"t": protocol.COMMITS, "commits": [{"uid": 1, "msg": {"t": protocol.ENTERED, "step": 3}}]}, "'commits'"),
+    ({"t": protocol.COMMITS, "commits": [{"uid": 1, "msg": {**COMMIT, "step": "1"}}]}, "field 'commits'"),
+    ({"t": protocol.COMMITS, "commits": [{"uid": 1, "msg": COMMIT, "x": 0}]}, "field 'commits'"),
+    ({"t": protocol.COMMITS, "commits": [{"uid": i, "msg": COMMIT} for i in range(100_001)]}, "'commits'"),
     ({"t": protocol.RELAY, "uid": 1, "data": json.dumps({"t": protocol.PLAN, "gen": 1})}, "field 'data'"),
     ({"t": protocol.RELAY, "uid": 1, "data": json.dumps({**json.loads(PLAN_LINE), "members": [0, 0]})}, "'data'"),
     ({"t": protocol.RELAY, "uid": 1, "data": "[" * 100_000}, "field 'data'"),

@@ -89,7 +89,7 @@ class Agent:
         self.restarts = GroupRestarts(config, self.gpu_health, console)
         self.status = StatusPublisher(RunInfo(self.run_name, config.run_id, str(self.run_dir), config.node_rank,
                                               config.min_nodes, config.world_size), self.pool, self.log,
-                                      self.gpu_health.gpu_status)
+                                      self.gpu_health.gpu_status, config.max_nodes)
         self.log.listeners.append(self.status.tally.add)
         self.local_world = config.nproc_per_node
         """Training workers this attempt starts on this node: fewer than --nproc-per-node after a GPU eviction."""
@@ -269,7 +269,7 @@ class Agent:
         if not self.leader:
             return Follower(config.node_rank, protocol.Plan(0, protocol.initial_members(self.sizes)),
                             config.recovery.hang_timeout, links.outbox, self.log, self.console, self, self.pool,
-                            links.lease, links.leader_lease)
+                            links.lease, links.leader_lease, config.max_nodes)
         recovery = config.recovery
         options = RecoveryOptions(recovery.enabled, recovery.min_nproc, recovery.recovery_timeout,
                                   recovery.join_timeout)

@@ -16,6 +16,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from ftrun import events, protocol
+from ftrun.agent.cadence import ProgressRelay, periodic_interval
 from ftrun.agent.ports import LocalWorkers, Notices, Restart, WorkerControl, WorkerHandle
 from ftrun.agent.watchdog import HangWatchdog
 from ftrun.agent.workers import WorkerSlot
@@ -30,8 +31,10 @@ if TYPE_CHECKING:
     from ftrun.agent.failures import WorkerFailure
     from ftrun.agent.workers import Worker
 
-PROGRESS_FORWARD_INTERVAL = 0.5
-"""A follower forwards a worker's first commit of each generation at once, later ones at most this often."""
+PROGRESS_FORWARD_INTERVAL = 2.0
+"""A follower tells the leader its workers' first commit of each generation at once, later ones together at
+most this often (less often in a job of many nodes: :func:`~ftrun.agent.cadence.periodic_interval`), and with
+any other message it sends it."""
 
 
 class Follower:
@@ -39,7 +42,7 @@ class Follower:
 
     def __init__(self, node_rank: int, plan: protocol.Plan, hang_timeout: float | None, outbox: Outbox,
                  log: EventSink, notices: Notices, control: WorkerControl, local: LocalWorkers,
-                 lease: LeaseKeeper, leader_lease: NodeLeases | None = None) -> None:
+                 lease: LeaseKeeper, leader_lease: NodeLeases | None = None, nodes: int = 1) -> None:
         self.node_rank = node_rank
         self.leader_lease = leader_lease  # with etcd, where node 0's lease outlives it: its renewals, watched
         self.outbox = outbox
@@ -50,7 +53,7 @@ class Follower:
         self.local = local
         self.lease = lease
         self.watchdog = HangWatchdog(local, log, notices, HangPolicy(fixed=hang_timeout))
-        self.forwarded: dict[int, tuple[int, float]] = {}  # uid -> (gen, monotonic time) of the last forwarded commit
+        self.relay = ProgressRelay(periodic_interval(nodes, PROGRESS_FORWARD_INTERVAL))  # commits for the leader
         self.stop_reason: str | None = None  # the leader's word that the job failed, or why this node stops
         self.restart_to: Restart | None = None  # the leader's word: the group restarts, as this attempt, in this store
         self.leader_done = False  # the leader's word: the job succeeded
@@ -165,11 +168,9 @@ class Follower:
             self.last_progress[uid] = message
             if message["gen"] == self.recovery_gen:
                 self.recovery_gen = None
-            gen, last = self.forwarded.get(uid, (-1, 0.0))
-            now = time.monotonic()
-            if gen == message["gen"] and now - last < PROGRESS_FORWARD_INTERVAL:
-                return
-            self.forwarded[uid] = (message["gen"], now)
+            if self.relay.commit(uid, message):
+                self._tell_leader()
+            return
         self._tell_leader({"t": protocol.WORKER_MESSAGE, "uid": uid, "msg": message})
 
     def on_finished(self, worker: WorkerHandle) -> None:
@@ -201,6 +202,8 @@ class Follower:
             self.stuck_told = self.plan.gen
             self._tell_leader({"t": protocol.NODE_STUCK, "node": self.node_rank, "gen": self.plan.gen,
                                "reason": stuck})
+        if self.relay.due(now):
+            self._tell_leader()
         silent = self._leader_silence(now)
         if silent is not None and self.stop_reason is None:
             self.stop_reason = self.control.leader_lost(self.leader_node, silent)  # an election: None once one leads
@@ -237,6 +240,7 @@ class Follower:
         node's live workers (what it needs to plan for them: who they are, whether they use the worker API,
         their last commit), then that this node follows it, in the generation it knows."""
         self.leader_node, self.leader_box, self.leader_lease = node, keys.node_box(node), leader_lease
+        self.relay.take(time.monotonic())  # the last commits are told below, after the workers they are of
         for worker in self.local.live():
             slot = worker.slot
             self._tell_leader({"t": protocol.WORKER_STARTED, "uid": slot.uid, "pid": worker.pid,
@@ -246,10 +250,15 @@ class Follower:
                     self._tell_leader({"t": protocol.WORKER_MESSAGE, "uid": slot.uid, "msg": said})
         self._tell_leader({"t": protocol.FOLLOWING, "node": self.node_rank, "term": term, "gen": self.plan.gen})
 
-    def _tell_leader(self, message: dict[str, Any]) -> None:
-        """Send one message to the leader's mailbox; dropped if the store cannot be reached (within the
-        agent's store timeout): a node cut off that long is evicted by the leader and fences itself."""
+    def _tell_leader(self, *messages: dict[str, Any]) -> None:
+        """Send ``messages`` to the leader's mailbox after the commits the relay holds (one message), in one
+        write; dropped if the store cannot be reached (within the agent's store timeout): a node cut off that
+        long is evicted by the leader and fences itself."""
+        commits = self.relay.take(time.monotonic())
+        told = [commits, *messages] if commits is not None else list(messages)
+        if not told:
+            return
         try:
-            self.outbox.send(self.leader_box, message)
+            self.outbox.send_many([(self.leader_box, message) for message in told])
         except RuntimeError:
             pass

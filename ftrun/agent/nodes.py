@@ -143,6 +143,10 @@ class RemoteNodes:
     def on_mail(self, message: dict[str, Any]) -> None:
         """A follower's news of its workers (or the hostfile launcher's news of a follower's end)."""
         kind, uid = message["t"], message.get("uid")
+        if kind == protocol.COMMITS:  # each as if told alone
+            for entry in message["commits"]:
+                self.on_mail({"t": protocol.WORKER_MESSAGE, **entry})
+            return
         if kind == protocol.NODE_GONE:
             if message["node"] in self.leases.seen:
                 self.node_lost(message["node"], message["reason"], message["since"])

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from ftrun import events
+from ftrun.agent.cadence import periodic_interval
 from ftrun.agent.ports import Coordination, LocalWorkers
 from ftrun.events import EventSink
 from ftrun.store.job import JobStore
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from ftrun.agent.workers import Worker
 
 STATUS_INTERVAL = 1.0
-"""Seconds between two records."""
+"""Seconds between two records (more in a job of many nodes: :func:`~ftrun.agent.cadence.periodic_interval`)."""
 RATE_WINDOW = 10.0
 """Seconds over which steps/s is measured."""
 PROGRESS_INTERVAL = 5.0
@@ -71,8 +72,11 @@ class StatusPublisher:
     :attr:`attempt` at the current attempt's before publishing.
     """
 
-    def __init__(self, run: RunInfo, workers: LocalWorkers, log: EventSink, gpu_status: GpuStatus | None = None) -> None:
+    def __init__(self, run: RunInfo, workers: LocalWorkers, log: EventSink, gpu_status: GpuStatus | None = None,
+                 nodes: int = 1) -> None:
         self.run = run
+        self.every = periodic_interval(nodes, STATUS_INTERVAL)
+        """Seconds between two records of this node's, in a job of up to ``nodes`` nodes."""
         self.log = log
         self.workers = workers
         self.gpu_status = gpu_status
@@ -99,7 +103,7 @@ class StatusPublisher:
         """Called from the agent's loop with time.monotonic(): publish when a record is due."""
         if now >= self.next_publish and self.store is not None and self.coordination is not None:
             self.publish()
-            self.next_publish = now + STATUS_INTERVAL
+            self.next_publish = now + self.every
 
     def publish(self) -> None:
         """Build this node's record, and the job's on the leader, and write them (skipped while the store
