@@ -65,11 +65,11 @@ from typing import Any
 
 import psutil
 
+from ftrun import protocol
 from ftrun.agent.cadence import ProgressRelay, periodic_interval
 from ftrun.agent.failover import elect
 from ftrun.agent.follower import PROGRESS_FORWARD_INTERVAL
 from ftrun.agent.status_record import STATUS_INTERVAL
-from ftrun import protocol
 from ftrun.store import keys
 from ftrun.store.auth import Seal, new_secret
 from ftrun.store.client import open_client_retrying
