@@ -72,9 +72,12 @@ def report_of(stderr: str) -> str:
 
 
 @functools.cache
-def torchrun_help() -> str:
-    """The help of the torchrun installed beside the tests: torch 2.6's lacks flags that today's has."""
-    return subprocess.run([*TORCHRUN, "--help"], capture_output=True, text=True, timeout=120).stdout
+def installed_torchrun_flags() -> frozenset[str]:
+    """The flags of the torchrun installed beside the tests, from its own parser (torch 2.6's lacks flags that
+    today's has)."""
+    from torch.distributed.run import get_args_parser
+
+    return frozenset(get_args_parser()._option_string_actions)
 
 
 def launch_both(torchrun_args: list[str], ftrun_args: list[str], env: dict[str, str],
@@ -108,7 +111,7 @@ def _assert_env_parity(tmp_path, workload, launcher_env, extra_t, extra_f, check
     t_envs, f_envs = read_envs(t_dir), read_envs(f_dir)
     assert set(t_envs) == set(f_envs) == {"env_0_0", "env_0_1"}
     # ftrun sets what today's torchrun sets; an older torchrun (2.6) lacks the variable of a flag it lacks
-    newer = set() if "--signals-to-handle" in torchrun_help() else {"TORCHELASTIC_SIGNALS_TO_HANDLE"}
+    newer = set() if "--signals-to-handle" in installed_torchrun_flags() else {"TORCHELASTIC_SIGNALS_TO_HANDLE"}
     for name in t_envs:
         t_env = added(t_envs[name], launcher_env)
         f_env = added(f_envs[name], launcher_env)
@@ -229,7 +232,7 @@ def test_console_output_matches_torchrun(tmp_path, workload, launcher_env, torch
     logs = {name: ["--log-dir", str(tmp_path / name)] for name in ("torchrun", "ftrun")}
     torchrun_env = {}
     flag = "--log-line-prefix-template"
-    if flag in torchrun_flags and flag not in torchrun_help():  # torch 2.6's torchrun takes the variable alone
+    if flag in torchrun_flags and flag not in installed_torchrun_flags():  # 2.6's takes the variable alone
         at = torchrun_flags.index(flag)
         torchrun_env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = torchrun_flags[at + 1]
         torchrun_flags = torchrun_flags[:at] + torchrun_flags[at + 2:]
